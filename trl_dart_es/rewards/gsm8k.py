@@ -1,0 +1,113 @@
+"""GSM8K rewards, with TRL's reward-function calling convention.
+
+`fn(completions, <dataset column>, **kwargs) -> list[float | None]`: `completions` are strings (standard
+format) or message lists (conversational); the trainer also passes `prompts`, `completion_ids` and every
+other dataset column as keyword arguments, which these functions ignore. Only completions are scored,
+never prompts (the prompt's worked example contains a `####` line).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+# A number as models and GSM8K write them: optional sign (not a minus between two operands),
+# optional "$", thousands separators in groups of three, optional decimals.
+_NUMBER = r"(?:(?<![\d)])-)?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_HASH_NUMBER_RE = re.compile(r"####\s*(" + _NUMBER + ")")
+_FINAL_LINE_RE = re.compile(r"####\s*" + _NUMBER + r"\s*\.?")
+_MAX_NUMBER_CHARS = 40  # longer digit runs are not answers (and would be slow to convert)
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string as is, or the assistant content of a message list."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    parts: list[str] = []
+    for message in completion:
+        if message.get("role", "assistant") != "assistant":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):  # multimodal-style content parts
+            parts.extend(part.get("text", "") for part in content if isinstance(part, dict))
+    return "\n".join(parts)
+
+
+def normalize_number(text: str | None) -> str | None:
+    """Canonical form of a number string: "$1,234.0" -> "1234", "-0.50" -> "-0.5"; None if not a number."""
+    if text is None:
+        return None
+    cleaned = str(text).strip().replace(",", "").replace("$", "").rstrip(".")
+    if not cleaned or len(cleaned) > _MAX_NUMBER_CHARS:
+        return None
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_final_number(text: str) -> str | None:
+    """The final answer in `text`, normalised (see `normalize_number`), or None if it has no number.
+
+    The number right after the last `####` wins; without a `#### <number>`, the last number anywhere in the
+    text is used instead (the fallback).
+    """
+    marked = _HASH_NUMBER_RE.findall(text)
+    if marked:
+        return normalize_number(marked[-1])
+    last = None
+    for match in _NUMBER_RE.finditer(text):
+        last = match.group(0)
+    return normalize_number(last)
+
+
+def gsm8k_accuracy_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float | None]:
+    """1.0 when the completion's final number equals the reference answer, else 0.0.
+
+    The final number is the one after the last `####`; when the completion has no `#### <number>`, the last
+    number anywhere in it is used (so "... she has 19 pens." still counts). A completion with no number at
+    all scores 0.0. Numbers compare by value: "18", "18.0" and "$18" all match 18, and "1,800" matches 1800.
+    A reference answer that is not a number gives None, which TRL skips.
+    """
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        gold_value = normalize_number(gold)
+        if gold_value is None:
+            rewards.append(None)
+            continue
+        predicted = extract_final_number(completion_text(completion))
+        rewards.append(1.0 if predicted == gold_value else 0.0)
+    return rewards
+
+
+def gsm8k_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """The reference run's format reward, adapted to prompts without `<think>` tags.
+
+    - 1.0: reasoning (at least one non-empty line) followed by a last line that is just `#### <number>`;
+    - 0.5: a `#### <number>` answer, but no reasoning before it or more text after it;
+    - 0.1: no `#### <number>`, but the completion contains a number (an answer the fallback can read);
+    - 0.0: otherwise.
+    """
+    rewards: list[float] = []
+    for completion in completions:
+        lines = [line for line in completion_text(completion).splitlines() if line.strip()]
+        if len(lines) >= 2 and _FINAL_LINE_RE.fullmatch(lines[-1].strip()):
+            rewards.append(1.0)
+        elif any(_HASH_NUMBER_RE.search(line) for line in lines):
+            rewards.append(0.5)
+        elif any(_NUMBER_RE.search(line) for line in lines):
+            rewards.append(0.1)
+        else:
+            rewards.append(0.0)
+    return rewards

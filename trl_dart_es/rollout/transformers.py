@@ -1,0 +1,108 @@
+"""Population rollouts with `transformers` `generate`: perturb the model in place, one batched call per member."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from ..noise import Member
+from ..perturb import EvolvedParameters
+from .base import Generation
+from .prompts import render_prompts
+
+
+def build_generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
+    """GRPO-style generation settings; temperature 0 means greedy decoding."""
+    sample = args.temperature > 0
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=args.max_completion_length,
+        do_sample=sample,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_ids,
+        repetition_penalty=args.repetition_penalty,
+    )
+    if sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    kwargs.update(args.generation_kwargs or {})
+    return GenerationConfig(**kwargs)
+
+
+class TransformersRollout:
+    """Generates with the trainer's own model; members are applied by perturbing its parameters in place."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        generation_config: GenerationConfig,
+        params: EvolvedParameters,
+        *,
+        batch_size: int | None = None,
+        chat_template_kwargs: dict | None = None,
+        sampling_seed: int = 0,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        self.params = params
+        self.batch_size = batch_size
+        self.chat_template_kwargs = chat_template_kwargs
+        self.sampling_seed = sampling_seed
+        self.eos_token_ids = set(generation_config.eos_token_id or [])
+
+    def _encode(self, prompts: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
+        texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        size = self.batch_size or len(texts)
+        device = next(self.model.parameters()).device
+        chunks = []
+        for start in range(0, len(texts), size):
+            enc = self.tokenizer(
+                texts[start : start + size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            )
+            chunks.append({k: v.to(device) for k, v in enc.items()})
+        return chunks
+
+    def _decode(self, sequences: torch.Tensor, prompt_len: int) -> Generation:
+        texts, ids = [], []
+        for row in sequences[:, prompt_len:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in self.eos_token_ids), len(row))
+            ids.append(row[:cut])
+            texts.append(self.tokenizer.decode(row[:cut], skip_special_tokens=True))
+        return Generation(texts=texts, token_ids=ids)
+
+    @torch.no_grad()
+    def _generate_encoded(self, chunks: list[dict[str, torch.Tensor]], seed: int | None) -> Generation:
+        if seed is not None and self.generation_config.do_sample:
+            torch.manual_seed(seed)  # sampling is reproducible per (step, member)
+        texts, ids = [], []
+        for enc in chunks:
+            out = self.model.generate(**enc, generation_config=self.generation_config)
+            gen = self._decode(out, enc["input_ids"].shape[1])
+            texts += gen.texts
+            ids += gen.token_ids
+        return Generation(texts=texts, token_ids=ids)
+
+    def generate(self, prompts: Sequence[Any]) -> Generation:
+        if self.params.is_perturbed:
+            raise RuntimeError("generate() must see unperturbed weights; a member is still applied")
+        return self._generate_encoded(self._encode(prompts), seed=self.sampling_seed)
+
+    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
+        chunks = self._encode(prompts)  # the prompts are the same for every member: tokenize once
+        out = []
+        try:
+            for member in members:
+                self.params.perturb(member)  # straight from member n to n+1: no restore in between
+                out.append(self._generate_encoded(chunks, seed=member.seed))
+        finally:
+            self.params.restore()
+        return out

@@ -1,0 +1,238 @@
+"""GSM8K in TRL's dataset formats, plus an offline generator of GSM8K-style word problems.
+
+Rows carry `prompt` (conversational messages by default, or a plain string in TRL's "standard" format),
+`answer` (the final integer as a string, the column `gsm8k_accuracy_reward` reads) and a stable `id`
+(the key of DART-ES's per-problem difficulty state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from typing import Any
+
+from datasets import Dataset
+
+GSM8K_HUB_ID = "openai/gsm8k"
+
+# Chosen by measurement on the embedded 135M model (docs/tasks.md): a short, explicit instruction plus one
+# worked example gets it to finish with a `#### N` line far more often than an instruction alone, and
+# the example teaches the "one sentence per step" layout that the generator's solutions also use.
+GSM8K_SYSTEM_PROMPT = (
+    "You are a careful math tutor. Solve the problem step by step, writing one short sentence per step. "
+    "Then write the final answer on its own line as '#### <number>'."
+)
+GSM8K_EXAMPLE = (
+    "Example:\n"
+    "Question: Mia has 4 boxes with 6 pens in each box. She gives away 5 pens. How many pens does Mia have now?\n"
+    "Answer: Mia has 4 * 6 = 24 pens. After giving away 5, she has 24 - 5 = 19 pens.\n"
+    "#### 19"
+)
+
+
+def format_gsm8k_prompt(question: str, *, conversational: bool = True) -> list[dict[str, str]] | str:
+    """The prompt for one question: system + user messages, or one plain string for the standard format."""
+    user = f"{GSM8K_EXAMPLE}\n\nQuestion: {question.strip()}"
+    if conversational:
+        return [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    return f"{GSM8K_SYSTEM_PROMPT}\n\n{user}\nAnswer:"
+
+
+_HASH_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+def extract_gsm8k_answer(solution: str) -> str:
+    """The final answer of a GSM8K reference solution: the text after `####`, commas stripped."""
+    match = _HASH_ANSWER.search(solution)
+    if match is None:
+        raise ValueError(f"GSM8K solution has no '####' answer: {solution[-80:]!r}")
+    return match.group(1).replace(",", "").replace("$", "").strip()
+
+
+def to_trl_format(dataset: Dataset, *, split: str, conversational: bool = True, id_prefix: str = "gsm8k") -> Dataset:
+    """Map rows shaped like `openai/gsm8k` (`question`, `answer` = worked solution) to TRL's format.
+
+    `prompt` is added, `answer` becomes the bare final number, the worked solution moves to `solution`,
+    `id` is `"{id_prefix}-{split}-{index:05d}"`, and all other columns are kept.
+    """
+
+    def convert(row: dict[str, Any], index: int) -> dict[str, Any]:
+        return {
+            "prompt": format_gsm8k_prompt(row["question"], conversational=conversational),
+            "answer": extract_gsm8k_answer(row["answer"]),
+            "solution": row["answer"],
+            "id": f"{id_prefix}-{split}-{index:05d}",
+        }
+
+    return dataset.map(convert, with_indices=True)
+
+
+def load_gsm8k(split: str = "train", *, conversational: bool = True, **load_dataset_kwargs: Any) -> Dataset:
+    """The real GSM8K (`openai/gsm8k`, config "main") from the Hugging Face Hub, in TRL's format."""
+    from datasets import load_dataset
+
+    raw = load_dataset(GSM8K_HUB_ID, "main", split=split, **load_dataset_kwargs)
+    return to_trl_format(raw, split=split, conversational=conversational)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic GSM8K-style problems (offline)
+# ----------------------------------------------------------------------------------------------------------
+
+_PEOPLE = [
+    ("Tom", "he", "his"), ("Anna", "she", "her"), ("Liam", "he", "his"), ("Sofia", "she", "her"),
+    ("Omar", "he", "his"), ("Grace", "she", "her"), ("Noah", "he", "his"), ("Maya", "she", "her"),
+    ("Ben", "he", "his"), ("Lucy", "she", "her"), ("Ravi", "he", "his"), ("Emma", "she", "her"),
+    ("Carlos", "he", "his"), ("Zoe", "she", "her"), ("Kenji", "he", "his"), ("Nora", "she", "her"),
+    ("Sam", "he", "his"), ("Leah", "she", "her"), ("Hugo", "he", "his"), ("Ivy", "she", "her"),
+]  # fmt: skip
+_FRIENDS = ["a friend", "a neighbour", "a classmate", "a cousin", "a teacher", "a brother", "a sister"]
+_OBJECTS = [
+    "apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "beads",
+    "eggs", "balloons", "coins", "flowers", "candies", "crayons", "buttons", "oranges", "rocks", "toy cars",
+]  # fmt: skip
+_CONTAINERS = ["boxes", "bags", "jars", "baskets", "packs"]
+
+# Splits own disjoint slices of question-text hash space, so no question text can ever appear in two
+# splits, whatever the seeds and sizes.
+_SPLIT_BUCKETS = {"test": range(0, 1), "validation": range(1, 2), "train": range(2, 10)}
+
+# Per level (= number of arithmetic operations): the largest starting amount and added/removed amount.
+# Tuned on the embedded model (docs/tasks.md) so that the default mix spans solved, borderline and
+# unsolved problems.
+DEFAULT_LEVEL_RANGES: dict[int, tuple[int, int]] = {1: (20, 12), 2: (30, 15), 3: (40, 20)}
+_FACTORS = (2, 3, 4, 5)
+
+
+def _split_of(question: str) -> str:
+    bucket = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) % 10
+    return next(name for name, buckets in _SPLIT_BUCKETS.items() if bucket in buckets)
+
+
+def _generate_problem(rng: random.Random, level: int, max_start: int, max_delta: int) -> dict[str, Any]:
+    """One templated word problem with exactly `level` operations, integer results and no negative amounts."""
+    name, he, his = rng.choice(_PEOPLE)
+    obj = rng.choice(_OBJECTS)
+    He = he.capitalize()
+    ops_left = level
+    if rng.random() < 0.35:  # start from "k containers with n each" (a multiplication)
+        k, n = rng.randint(2, 6), rng.randint(2, max(3, max_start // 3))
+        container = rng.choice(_CONTAINERS)
+        x = k * n
+        story = [f"{name} has {k} {container} with {n} {obj} in each."]
+        steps = [f"{name} starts with {k} * {n} = {x} {obj}."]
+        ops_left -= 1
+    else:
+        x = rng.randint(3, max_start)
+        story = [f"{name} has {x} {obj}."]
+        steps = []
+    while ops_left > 0:
+        choices = ["add", "sub", "mul", "div"]
+        if x <= 1:
+            choices.remove("sub")
+        if not any(x % f == 0 for f in _FACTORS):
+            choices.remove("div")
+        if x * 2 > 500:
+            choices.remove("mul")
+        op = rng.choice(choices)
+        if op == "add":
+            b = rng.randint(1, max_delta)
+            friend = rng.choice(_FRIENDS)
+            story.append(
+                rng.choice(
+                    [f"{He} buys {b} more {obj}.", f"{friend.capitalize()} gives {name} {b} {obj}.",
+                     f"{He} finds {b} more {obj}."]
+                )
+            )  # fmt: skip
+            steps.append(f"{He} gets {b} more, so {x} + {b} = {x + b}.")
+            x += b
+        elif op == "sub":
+            b = rng.randint(1, min(max_delta, x - 1))
+            friend = rng.choice(_FRIENDS)
+            story.append(
+                rng.choice(
+                    [f"{He} gives {b} {obj} to {friend}.", f"{He} loses {b} {obj}.",
+                     f"{He} uses {b} {obj} for a school project."]
+                )
+            )  # fmt: skip
+            steps.append(f"{He} loses {b}, so {x} - {b} = {x - b}.")
+            x -= b
+        elif op == "mul":
+            k = rng.choice([f for f in _FACTORS if x * f <= 500])
+            story.append(f"Then the number of {obj} {he} has becomes {k} times as large.")
+            steps.append(f"It becomes {k} times as large, so {x} * {k} = {x * k}.")
+            x *= k
+        else:
+            k = rng.choice([f for f in _FACTORS if x % f == 0])
+            story.append(f"Then {he} splits {his} {obj} into {k} equal groups and keeps only one group.")
+            steps.append(f"{He} keeps one of {k} equal groups, so {x} / {k} = {x // k}.")
+            x //= k
+        ops_left -= 1
+    question = " ".join(story) + " " + rng.choice(
+        [f"How many {obj} does {name} have now?", f"How many {obj} does {name} have at the end?"]
+    )
+    solution = "\n".join(steps + [f"#### {x}"])
+    return {"question": question, "solution": solution, "answer": str(x), "level": level}
+
+
+def make_synthetic_gsm8k(
+    num_examples: int,
+    *,
+    split: str = "train",
+    seed: int = 0,
+    levels: tuple[int, ...] = (1, 2, 3),
+    level_weights: tuple[float, ...] | None = None,
+    level_ranges: dict[int, tuple[int, int]] | None = None,
+    conversational: bool = True,
+) -> Dataset:
+    """Offline GSM8K-style word problems: 1 to 3 arithmetic steps (+, -, *, /) with integer results.
+
+    Deterministic in (seed, split). Each split owns a disjoint slice of the question-text hash space, so no
+    question appears in two splits. Columns: `prompt`, `answer`, `id`, `question`, `solution` (worked
+    steps ending in `#### N`), `level` (the number of operations, the difficulty knob).
+
+    Args:
+        num_examples: rows to generate.
+        split: "train", "validation" or "test".
+        seed: different seeds give different problems (and ids).
+        levels: difficulty levels to draw from (each in 1..3).
+        level_weights: relative frequency of each level (default: uniform).
+        level_ranges: per level, (largest starting amount, largest added/removed amount).
+        conversational: messages (`True`, default) or a plain-string prompt (TRL's standard format).
+    """
+    if split not in _SPLIT_BUCKETS:
+        raise ValueError(f"Unknown split {split!r} for synthetic GSM8K; choose from {sorted(_SPLIT_BUCKETS)}.")
+    ranges = {**DEFAULT_LEVEL_RANGES, **(level_ranges or {})}
+    bad = [lvl for lvl in levels if lvl not in ranges]
+    if not levels or bad:
+        raise ValueError(f"Levels must be a non-empty subset of {sorted(ranges)}, got {levels!r}.")
+    weights = list(level_weights) if level_weights is not None else [1.0] * len(levels)
+    if len(weights) != len(levels):
+        raise ValueError("level_weights must have one weight per level.")
+
+    rng = random.Random(f"trl_dart_es/synthetic-gsm8k/{split}/{seed}")
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(rows) < num_examples:
+        attempts += 1
+        if attempts > 100 * num_examples + 1000:
+            raise RuntimeError("Could not generate enough distinct problems; widen level_ranges.")
+        level = rng.choices(levels, weights=weights)[0]
+        problem = _generate_problem(rng, level, *ranges[level])
+        if problem["question"] in seen or _split_of(problem["question"]) != split:
+            continue
+        seen.add(problem["question"])
+        index = len(rows)
+        rows.append(
+            {
+                "prompt": format_gsm8k_prompt(problem["question"], conversational=conversational),
+                "answer": problem["answer"],
+                "id": f"synthetic-gsm8k-{split}-s{seed}-{index:05d}",
+                "question": problem["question"],
+                "solution": problem["solution"],
+                "level": problem["level"],
+            }
+        )
+    return Dataset.from_list(rows)

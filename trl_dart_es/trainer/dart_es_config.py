@@ -1,0 +1,247 @@
+"""Configuration of `DartESTrainer`: `transformers.TrainingArguments` plus the ES and DART fields.
+
+Fields that mean the same as in TRL's `GRPOConfig` keep GRPO's name. Defaults follow the reference values of
+the DART-ES paper (see docs/method.md), with greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+_PERTURBATIONS = ("full", "lowrank")
+_SHAPINGS = ("zscore", "rank")
+_VLLM_MODES = ("colocate",)
+_NOISE_CACHE = ("auto", "on", "off")
+
+
+@dataclass
+class DartESConfig(TrainingArguments):
+    r"""
+    Configuration for [`DartESTrainer`].
+
+    One training step is one ES step: every member of a population of `population_size` perturbations of the
+    model answers the same `per_device_train_batch_size` problems, and the model moves along the
+    fitness-weighted sum of the perturbations. No gradients and no optimizer state are used.
+
+    Only the ES/DART-specific parameters are listed here; the rest are those of
+    [`~transformers.TrainingArguments`] and, where the name matches, they mean what they mean in TRL's
+    `GRPOConfig`.
+    """
+
+    # Defaults overridden from TrainingArguments.
+    learning_rate: float = field(
+        default=2.5e-4,
+        metadata={"help": "ES step size α: θ ← θ + (α/N) Σ z_n ε_n (no 1/σ). The reference run uses 2.5e-4."},
+    )
+    per_device_train_batch_size: int = field(
+        default=256,
+        metadata={"help": "Problems per ES step (B): every population member answers these same problems."},
+    )
+    per_device_eval_batch_size: int = field(
+        default=64, metadata={"help": "Prompts per generation call during evaluation."}
+    )
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": "Schedule of α over steps. The reference keeps α constant."},
+    )
+    warmup_steps: float = field(default=0, metadata={"help": "Warm-up steps of the α schedule."})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Unused: ES computes no gradients."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every X ES steps."})
+    report_to: str | list[str] = field(default="none", metadata={"help": "Integrations to report to."})
+    save_strategy: str = field(default="no", metadata={"help": "Checkpoint strategy ('no', 'steps', 'epoch')."})
+    use_cpu: bool = field(default=False, metadata={"help": "Run on CPU even when an accelerator is available."})
+
+    # Model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `from_pretrained` when `model` is a string (as in GRPOConfig)."},
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow custom model code from the hub. Off unless you turn it on."}
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Disable dropout: members must differ only by their perturbation."}
+    )
+
+    # Generation (GRPO names)
+    max_completion_length: int = field(default=256, metadata={"help": "Maximum tokens generated per completion."})
+    temperature: float = field(
+        default=0.0, metadata={"help": "Sampling temperature. 0 means greedy decoding (the reference)."}
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Top-p sampling (only when temperature > 0)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it (only when temperature > 0)."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling (only when temperature > 0)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty (1.0 = none)."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for generation (GenerationConfig / SamplingParams)."}
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Prompts per `generate` call for one member. Default: all B prompts in one call."},
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for the chat template (conversational data)."}
+    )
+
+    # Rewards
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weight β_k of each reward function in the fitness. Default: 1.0 for each."},
+    )
+    primary_reward_index: int = field(
+        default=0,
+        metadata={"help": "Index of the primary (correctness) reward: it defines 'solved' and gets DART weights."},
+    )
+    solved_threshold: float = field(
+        default=1.0, metadata={"help": "A member solves a problem when its primary reward is at least this."}
+    )
+
+    # Evolution strategy
+    population_size: int = field(default=40, metadata={"help": "Population size N (perturbations per step)."})
+    sigma: float = field(default=1.5e-3, metadata={"help": "Noise scale σ of the perturbations."})
+    antithetic: bool = field(
+        default=False, metadata={"help": "Mirrored sampling: members in ± pairs (population_size must be even)."}
+    )
+    fitness_shaping: str = field(
+        default="zscore", metadata={"help": "'zscore' (reference) or 'rank' (centred ranks)."}
+    )
+    perturbation: str = field(
+        default="full",
+        metadata={
+            "help": "'full': full-rank Gaussian noise per parameter (the reference). 'lowrank': rank-r noise on "
+            "linear weights (EGGROLL), so the whole population runs as one batched generation."
+        },
+    )
+    perturbation_rank: int = field(default=1, metadata={"help": "Rank r of the low-rank perturbations."})
+    exact_restore: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep fp32 master weights: restore is bitwise exact and updates accumulate in fp32 "
+            "(improvement). False: add/subtract noise in place in the model dtype, as the paper's code does."
+        },
+    )
+    noise_cache: str = field(
+        default="auto",
+        metadata={
+            "help": "Keep each member's noise between evaluation and update: 'on', 'off', or 'auto' (on when "
+            "N × trainable parameters × 4 bytes fits in `noise_cache_max_gb`)."
+        },
+    )
+    noise_cache_max_gb: float = field(default=8.0, metadata={"help": "Memory budget of the noise cache (GiB)."})
+
+    # DART: difficulty-aware reweighting
+    use_difficulty_reweighting: bool = field(
+        default=True, metadata={"help": "Weight the primary reward by w_j = w_floor + exp(-κ p̄_j). Off: w ≡ 1."}
+    )
+    difficulty_ema_decay: float = field(default=0.7, metadata={"help": "EMA decay λ of the per-problem pass rate."})
+    difficulty_weight_floor: float = field(default=0.8, metadata={"help": "Weight floor w_floor."})
+    difficulty_weight_exponent: float = field(default=3.0, metadata={"help": "Weight exponent κ."})
+
+    # DART: targeted replay
+    use_targeted_replay: bool = field(
+        default=True, metadata={"help": "Replay rare-solvable problems. Off: every slot is a fresh problem."}
+    )
+    replay_ratio: float = field(default=0.2, metadata={"help": "Fraction ρ of the batch given to replay."})
+    replay_pass_threshold: float = field(
+        default=0.5, metadata={"help": "τ: a problem with p̄ ≥ τ counts as mastered and leaves the buffer."}
+    )
+    max_replays_per_epoch: int = field(default=2, metadata={"help": "Maximum replays of one problem per epoch."})
+    replay_cooldown: int = field(default=1, metadata={"help": "Steps a problem waits before it is replayed again."})
+    zero_pass_patience: int = field(
+        default=2, metadata={"help": "P: unsolved by every member this many visits in a row → leaves the buffer."}
+    )
+
+    # vLLM (GRPO names)
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (one engine per process)."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "Only 'colocate': the engine lives in the process."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "GPU memory fraction for the vLLM engine (CUDA)."}
+    )
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel size of the vLLM engine."})
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "Context length of the vLLM engine. Default: the model's."}
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "Let the vLLM engine sleep between steps (CUDA only)."}
+    )
+    vllm_cpu_kvcache_space: int = field(
+        default=4, metadata={"help": "KV-cache size in GiB for vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)."}
+    )
+
+    # Logging
+    log_completions: bool = field(
+        default=False, metadata={"help": "Print a sample of prompts and completions at each logging step."}
+    )
+    num_completions_to_print: int | None = field(
+        default=4, metadata={"help": "How many completions to print with `log_completions`."}
+    )
+
+    def __post_init__(self):
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, json.loads(value))
+        super().__post_init__()
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"DartESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
+
+        if self.population_size < 2:
+            raise bad("population_size", "ES needs at least 2 members")
+        if self.antithetic and self.population_size % 2:
+            raise bad("population_size", "antithetic sampling needs an even population")
+        if not self.sigma > 0:
+            raise bad("sigma", "must be > 0")
+        if not self.learning_rate > 0:
+            raise bad("learning_rate", "must be > 0")
+        if self.per_device_train_batch_size < 1:
+            raise bad("per_device_train_batch_size", "must be >= 1")
+        if self.gradient_accumulation_steps != 1:
+            raise bad("gradient_accumulation_steps", "ES has no gradients to accumulate; use a larger batch")
+        if self.fitness_shaping not in _SHAPINGS:
+            raise bad("fitness_shaping", f"choose one of {_SHAPINGS}")
+        if self.perturbation not in _PERTURBATIONS:
+            raise bad("perturbation", f"choose one of {_PERTURBATIONS}")
+        if self.perturbation_rank < 1:
+            raise bad("perturbation_rank", "must be >= 1")
+        if self.noise_cache not in _NOISE_CACHE:
+            raise bad("noise_cache", f"choose one of {_NOISE_CACHE}")
+        if not 0.0 <= self.replay_ratio < 1.0:
+            raise bad("replay_ratio", "must be in [0, 1)")
+        if not 0.0 <= self.difficulty_ema_decay < 1.0:
+            raise bad("difficulty_ema_decay", "must be in [0, 1)")
+        if self.difficulty_weight_floor < 0:
+            raise bad("difficulty_weight_floor", "must be >= 0")
+        if self.difficulty_weight_exponent < 0:
+            raise bad("difficulty_weight_exponent", "must be >= 0")
+        if not 0.0 < self.replay_pass_threshold <= 1.0:
+            raise bad("replay_pass_threshold", "must be in (0, 1]")
+        if self.max_replays_per_epoch < 0:
+            raise bad("max_replays_per_epoch", "must be >= 0")
+        if self.replay_cooldown < 0:
+            raise bad("replay_cooldown", "must be >= 0")
+        if self.zero_pass_patience < 1:
+            raise bad("zero_pass_patience", "must be >= 1")
+        if self.primary_reward_index < 0:
+            raise bad("primary_reward_index", "must be >= 0")
+        if self.max_completion_length < 1:
+            raise bad("max_completion_length", "must be >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 = greedy)")
+        if self.generation_batch_size is not None and self.generation_batch_size < 1:
+            raise bad("generation_batch_size", "must be >= 1")
+        if self.vllm_mode not in _VLLM_MODES:
+            raise bad("vllm_mode", f"only {_VLLM_MODES} is supported: the engine must share the process")
+        if self.use_vllm and self.perturbation == "lowrank":
+            raise bad(
+                "perturbation",
+                "low-rank population batching runs on the transformers backend only; set use_vllm=False",
+            )
+        if self.reward_weights is not None and any(w != w for w in self.reward_weights):
+            raise bad("reward_weights", "NaN weight")

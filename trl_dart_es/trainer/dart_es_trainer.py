@@ -1,0 +1,492 @@
+"""`DartESTrainer`: DART-ES fine-tuning with the constructor and conventions of TRL's `GRPOTrainer`.
+
+The ES algorithm itself lives in `trl_dart_es.strategy` (ask/tell), `perturb` and `noise`; this file is the
+plumbing that connects it to `transformers.Trainer`: state, callbacks, logging, checkpoints, evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset, IterableDataset
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
+from transformers.utils import is_peft_available
+from trl.trainer.base_trainer import _BaseTrainer
+
+from ..embedded import resolve_model_path
+from ..perturb import EvolvedParameters
+from ..rollout.prompts import as_completions
+from ..rollout.transformers import TransformersRollout, build_generation_config
+from ..scoring import RewardScorer
+from ..strategy import DartES
+from .dart_es_config import DartESConfig
+
+if is_peft_available():
+    from peft import PeftConfig, get_peft_model
+    from peft import PeftModel as _PeftModel
+else:  # pragma: no cover
+    PeftConfig = _PeftModel = None
+
+DART_STATE_NAME = "dart_es_state.json"
+MASTER_WEIGHTS_NAME = "dart_es_master.safetensors"
+ID_COLUMN = "id"
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+class DartESTrainer(_BaseTrainer):
+    """Fine-tunes a causal LM with DART-ES: evolution strategies with difficulty-aware reweighting and
+    targeted replay (arXiv:2610.06993). Same arguments as TRL's `GRPOTrainer`.
+
+    Args:
+        model: a hub id, a local path, an embedded name such as `"embedded:smollm2-135m"`, a
+            `PreTrainedModel` or a `PeftModel`.
+        reward_funcs: a callable, a sequence-classification model id or model, or a list of these. Called as
+            GRPO calls them. The function at `args.primary_reward_index` defines "solved".
+        args: a `DartESConfig`.
+        train_dataset: a `datasets.Dataset` with a `prompt` column (standard or conversational). An `id`
+            column gives problems stable identities for the difficulty state; the row index is used otherwise.
+        eval_dataset: evaluated greedily on the unperturbed model when `eval_strategy` says so.
+        processing_class: the tokenizer; loaded from the model when omitted.
+        reward_processing_classes: tokenizers of reward models, as in GRPO.
+        callbacks: `transformers.TrainerCallback`s.
+        optimizers: must be `(None, None)`: ES keeps no optimizer state.
+        peft_config: wraps the model with PEFT; ES then perturbs and updates only the adapter.
+    """
+
+    _tag_names = ["trl", "dart-es", "evolution-strategies"]
+    _name = "DART-ES"
+    _paper = {
+        "title": "DART-ES: Difficulty-Aware Reweighting and Targeted Replay for Fine-Tuning LLMs with "
+        "Evolution Strategies",
+        "id": "2610.06993",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{sun2026dartes,
+                title        = {{DART-ES: Difficulty-Aware Reweighting and Targeted Replay for Fine-Tuning LLMs with Evolution Strategies}},
+                author       = {Sun and Wang and Dang and Dai and Ye},
+                year         = 2026,
+                eprint       = {arXiv:2610.06993},
+            }
+            @article{qiu2025es,
+                title        = {{Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning}},
+                author       = {Qiu and others},
+                year         = 2025,
+                eprint       = {arXiv:2509.24372},
+            }"""),
+    }
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | Any,
+        reward_funcs: Callable | str | Sequence[Callable | str] | None = None,
+        args: DartESConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: PeftConfig | None = None,
+        **unsupported: Any,
+    ):
+        if unsupported:
+            raise TypeError(
+                f"DartESTrainer does not support {sorted(unsupported)}: ES evaluates a population of weight "
+                "perturbations and has no tools, rollout functions or quantized training."
+            )
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = DartESConfig(f"{str(name).rstrip('/').split('/')[-1]}-DART-ES")
+        if not isinstance(args, DartESConfig):
+            raise TypeError(f"args must be a DartESConfig, got {type(args).__name__}")
+        if optimizers is not None and any(o is not None for o in optimizers):
+            raise ValueError(
+                "DartESTrainer got `optimizers`, but evolution strategies use no optimizer or scheduler object: the "
+                "update is θ ← θ + (α/N) Σ z_n ε_n. Set `learning_rate` and `lr_scheduler_type` in DartESConfig."
+            )
+        if train_dataset is None:
+            raise ValueError("train_dataset is required")
+        if isinstance(train_dataset, IterableDataset):
+            raise ValueError("DartESTrainer needs a map-style `datasets.Dataset`: problems are revisited by id")
+        if "prompt" not in train_dataset.column_names:
+            raise ValueError(
+                f"train_dataset has no 'prompt' column (columns: {train_dataset.column_names}); "
+                "DART-ES uses TRL's prompt-only formats"
+            )
+
+        # Model, as GRPO loads it (an embedded name is converted once and cached as a normal folder).
+        if isinstance(model, str):
+            init_kwargs = dict(args.model_init_kwargs or {})
+            init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            model_path = resolve_model_path(model)
+            model = AutoModelForCausalLM.from_pretrained(model_path, **init_kwargs)
+        else:
+            model_path = getattr(model.config, "_name_or_path", None)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(
+                model_path, trust_remote_code=args.trust_remote_code, padding_side="left"
+            )
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        if peft_config is not None:
+            if _PeftModel is not None and isinstance(model, _PeftModel):
+                raise ValueError("pass either a PeftModel or a peft_config, not both")
+            model = get_peft_model(model, peft_config)
+        if args.disable_dropout:
+            _disable_dropout(model)
+        model.eval()
+        model.config.pad_token_id = processing_class.pad_token_id
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if processing_class.eos_token_id not in eos:
+            eos = [processing_class.eos_token_id, *eos]
+        self.eos_token_ids = eos
+
+        # Problems need stable ids: the difficulty state follows them across the whole run.
+        self._train_rows = train_dataset
+        ids = [str(i) for i in (train_dataset[ID_COLUMN] if ID_COLUMN in train_dataset.column_names else range(len(train_dataset)))]
+        self._index_of = {}
+        for i, pid in enumerate(ids):
+            if pid in self._index_of:
+                raise ValueError(f"train_dataset has a duplicate id {pid!r} (rows {self._index_of[pid]} and {i})")
+            self._index_of[pid] = i
+        if args.per_device_train_batch_size > len(ids):
+            raise ValueError(
+                f"per_device_train_batch_size={args.per_device_train_batch_size} is larger than the train set "
+                f"({len(ids)} problems)"
+            )
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=lambda batch: batch[0],
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+        )
+
+        self.scorer = RewardScorer(
+            reward_funcs,
+            reward_processing_classes,
+            model_init_kwargs={"trust_remote_code": args.trust_remote_code},
+            chat_template_kwargs=args.chat_template_kwargs,
+            device=self.args.device,
+        )
+        self.reward_func_names = self.scorer.names
+        if args.reward_weights is not None and len(args.reward_weights) != len(self.scorer):
+            raise ValueError(
+                f"DartESConfig.reward_weights has {len(args.reward_weights)} values for {len(self.scorer)} reward "
+                "functions"
+            )
+        if args.primary_reward_index >= len(self.scorer):
+            raise ValueError(
+                f"DartESConfig.primary_reward_index={args.primary_reward_index} but there are only "
+                f"{len(self.scorer)} reward functions"
+            )
+        self.reward_weights = np.asarray(args.reward_weights or [1.0] * len(self.scorer), dtype=np.float64)
+
+        self.strategy = DartES(
+            ids,
+            batch_size=args.per_device_train_batch_size,
+            population_size=args.population_size,
+            seed=args.seed,
+            antithetic=args.antithetic,
+            reward_weights=self.reward_weights.tolist(),
+            primary_index=args.primary_reward_index,
+            solved_threshold=args.solved_threshold,
+            fitness_shaping=args.fitness_shaping,
+            use_difficulty_reweighting=args.use_difficulty_reweighting,
+            use_targeted_replay=args.use_targeted_replay,
+            ema_decay=args.difficulty_ema_decay,
+            weight_floor=args.difficulty_weight_floor,
+            weight_exponent=args.difficulty_weight_exponent,
+            replay_ratio=args.replay_ratio,
+            replay_pass_threshold=args.replay_pass_threshold,
+            max_replays_per_epoch=args.max_replays_per_epoch,
+            replay_cooldown=args.replay_cooldown,
+            zero_pass_patience=args.zero_pass_patience,
+        )
+        self.es_params = EvolvedParameters(
+            self.model, args.sigma, exact_restore=args.exact_restore, cache_noise=self._use_noise_cache()
+        )
+        self.rollout = self._build_rollout()
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._last_samples: list[tuple[str, str, float]] = []
+        self._step_flops = 0
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def _use_noise_cache(self) -> bool:
+        if self.args.noise_cache != "auto":
+            return self.args.noise_cache == "on"
+        n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        members = math.ceil(self.args.population_size / self.accelerator.num_processes)
+        return members * n_params * 4 <= self.args.noise_cache_max_gb * 2**30
+
+    def _build_rollout(self):
+        args = self.args
+        gen_config = build_generation_config(args, self.processing_class, self.eos_token_ids)
+        if args.use_vllm:
+            from ..rollout.vllm import VLLMRollout
+
+            return VLLMRollout.from_trainer(self, gen_config)
+        if args.perturbation == "lowrank":
+            from ..rollout.lowrank import LowRankRollout
+
+            return LowRankRollout.from_trainer(self, gen_config)
+        return TransformersRollout(
+            self.model,
+            self.processing_class,
+            gen_config,
+            self.es_params,
+            batch_size=args.generation_batch_size,
+            chat_template_kwargs=args.chat_template_kwargs,
+            sampling_seed=args.seed,
+        )
+
+    def _send_telemetry(self):  # no phoning home from an ES trainer
+        return
+
+    def create_optimizer(self, model=None):
+        # Trainer's loop steps an optimizer and a scheduler; ES only needs the scheduler's learning rate.
+        if self.optimizer is None:
+            params = [p for p in self.model.parameters() if p.requires_grad][:1]
+            self.optimizer = torch.optim.SGD(params, lr=self.args.learning_rate)
+            self.optimizer.step = lambda *a, **k: None  # the ES update happens in training_step
+        return self.optimizer
+
+    def get_train_dataloader(self) -> DataLoader:
+        # One item per ES step of an epoch; the batch itself is planned by the strategy (fresh + replay), so the
+        # loader is not sharded: every process plans the same batch.
+        steps = self.strategy.planner.steps_per_epoch
+        return DataLoader([{"es_step": i} for i in range(steps)], batch_size=1, collate_fn=lambda b: b[0])
+
+    def floating_point_ops(self, inputs) -> int:
+        return self._step_flops
+
+    # --------------------------------------------------------------------------------------------- ES step
+    def _rows(self, ids: Sequence[str]) -> dict[str, list[Any]]:
+        return self._train_rows.select([self._index_of[i] for i in ids]).to_dict()
+
+    def _local_members(self, n: int) -> list[int]:
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        return list(range(rank, n, world))
+
+    def _score(self, columns: dict[str, list[Any]], gens, repeat: int) -> np.ndarray:
+        """Rewards K×(repeat·B) for `repeat` generations of the same B rows, in one call per function."""
+        prompts = columns["prompt"] * repeat
+        texts = [t for g in gens for t in g.texts]
+        ids = [t for g in gens for t in g.token_ids]
+        cols = {k: v * repeat for k, v in columns.items()}
+        return self.scorer(
+            prompts,
+            as_completions(prompts, texts),
+            ids,
+            cols,
+            trainer_state=self.state,
+            log_extra=lambda *a, **k: None,
+            log_metric=self._log_metric,
+        )
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self._metrics[name].append(float(value))
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        args = self.args
+        t_start = time.perf_counter()
+        batch, members = self.strategy.ask()
+        columns = self._rows(batch.ids)
+        local = self._local_members(len(members))
+        t_ask = time.perf_counter()
+
+        gens = self.rollout.generate_population(columns["prompt"], [members[n] for n in local])
+        t_gen = time.perf_counter()
+        local_rewards = self._score(columns, gens, len(local)).reshape(len(self.scorer), len(local), -1)
+        t_reward = time.perf_counter()
+
+        rewards, tokens = self._gather_rewards(local, local_rewards, [g.num_tokens for g in gens], len(members))
+        t_gather = time.perf_counter()
+        result = self.strategy.tell(batch, rewards)
+        lr = self._get_learning_rate()
+        if result.z is not None:
+            update_norm = self.es_params.update(members, result.z, lr)
+        else:
+            self.es_params.clear_cache()
+            update_norm = 0.0
+        t_end = time.perf_counter()
+
+        self._step_flops = 2 * self.es_params.num_parameters * tokens
+        gen_time = t_gen - t_ask
+        self._record_step_metrics(result, rewards, tokens, len(members), gen_time, t_reward - t_gen,
+                                  (t_ask - t_start) + (t_end - t_gather), update_norm, lr)
+        if args.log_completions and self.accelerator.is_main_process and gens:
+            primary = local_rewards[args.primary_reward_index, 0]
+            self._last_samples = list(zip(columns["prompt"], gens[0].texts, primary.tolist(), strict=True))
+        mean_primary = float(np.nanmean(rewards[args.primary_reward_index])) if rewards.size else 0.0
+        # Trainer logs `loss`; for ES it is the negated mean primary reward of the population.
+        return torch.tensor(-mean_primary if math.isfinite(mean_primary) else 0.0, device=args.device)
+
+    def _gather_rewards(self, local, local_rewards, local_tokens, n):
+        """Assemble the K×N×B reward matrix; only rewards (and token counts) cross processes."""
+        if self.accelerator.num_processes == 1:
+            return local_rewards, int(sum(local_tokens))
+        parts = gather_object([(n_, local_rewards[:, i], local_tokens[i]) for i, n_ in enumerate(local)])
+        k, _, b = local_rewards.shape
+        rewards = np.full((k, n, b), np.nan)
+        tokens = 0
+        for n_, r, t in parts:
+            rewards[:, n_] = r
+            tokens += t
+        return rewards, tokens
+
+    def _record_step_metrics(self, result, rewards, tokens, n, gen_time, reward_time, es_time, update_norm, lr):
+        m = self._metrics
+        total = np.nansum(rewards * self.reward_weights[:, None, None], axis=0)  # N×B, GRPO's "reward"
+        per_member = total.mean(axis=1)
+        m["reward"].append(float(per_member.mean()))
+        m["reward_std"].append(float(per_member.std()))
+        for k, name in enumerate(self.reward_func_names):
+            per = np.nanmean(rewards[k], axis=1) if np.isfinite(rewards[k]).any() else np.full(n, np.nan)
+            m[f"rewards/{name}/mean"].append(float(np.nanmean(per)))
+            m[f"rewards/{name}/std"].append(float(np.nanstd(per)))
+        for key, value in result.metrics.items():
+            m[key].append(float(value))
+        m["update_norm"].append(float(update_norm))
+        m["es/learning_rate"].append(float(lr))
+        m["time/generation"].append(gen_time)
+        m["time/reward"].append(reward_time)
+        m["time/es"].append(es_time)
+        m["tokens_per_s"].append(tokens / gen_time if gen_time > 0 else 0.0)
+        m["completions/mean_length"].append(tokens / max(1, rewards.shape[1] * rewards.shape[2]))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if not any(k.startswith("eval_") for k in logs):
+            for key, values in self._metrics.items():
+                valid = [v for v in values if not math.isnan(v)]
+                logs[key] = sum(valid) / len(valid) if valid else None
+            self._metrics.clear()
+            if self._last_samples and self.args.log_completions and self.accelerator.is_main_process:
+                for prompt, completion, reward in self._last_samples[: self.args.num_completions_to_print]:
+                    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+                    print(f"--- prompt: {text}\n--- completion (reward {reward}): {completion}")
+                self._last_samples = []
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Greedy evaluation of the unperturbed model: reward, per-reward means, and accuracy."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        metrics = self.evaluate_dataset(dataset, metric_key_prefix)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def evaluate_dataset(self, dataset: Dataset, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Metrics of the unperturbed model on `dataset` (no logging); shards rows across processes."""
+        if self.es_params.is_perturbed:
+            self.es_params.restore()
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = dataset.select(range(rank, len(dataset), world))
+        size = self.args.per_device_eval_batch_size
+        local = []
+        starts = range(0, len(rows), size)
+        for start in tqdm(starts, desc="Evaluating", disable=self.args.disable_tqdm or not self.is_world_process_zero()):
+            columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
+            gen = self.rollout.generate(columns["prompt"])
+            local.append((self._score(columns, [gen], 1), gen.num_tokens))
+        parts = gather_object(local) if world > 1 else local
+        rewards = np.concatenate([r for r, _ in parts], axis=1) if parts else np.zeros((len(self.scorer), 0))
+        tokens = sum(t for _, t in parts)
+        p = self.args.primary_reward_index
+        total = np.nansum(rewards * self.reward_weights[:, None], axis=0)
+        metrics = {f"{metric_key_prefix}_reward": float(total.mean()) if total.size else float("nan")}
+        for k, name in enumerate(self.reward_func_names):
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(np.nanmean(rewards[k]))
+        solved = np.nan_to_num(rewards[p], nan=-np.inf) >= self.args.solved_threshold
+        metrics[f"{metric_key_prefix}_accuracy"] = float(solved.mean()) if solved.size else float("nan")
+        metrics[f"{metric_key_prefix}_completions/mean_length"] = tokens / max(1, rewards.shape[1])
+        return metrics
+
+    # --------------------------------------------------------------------------------- checkpoint / resume
+    def _save_checkpoint(self, model, trial):
+        if self.es_params.is_perturbed:  # never write a checkpoint from perturbed weights
+            self.es_params.restore()
+        self.create_model_card(model_name=os.path.basename(os.path.normpath(self.args.output_dir)))
+        super()._save_checkpoint(model, trial)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if not self.args.should_save:
+            return
+        with open(os.path.join(output_dir, DART_STATE_NAME), "w") as f:
+            json.dump(self.strategy.state_dict(), f)
+        master = self.es_params.master_state_dict() if hasattr(self.es_params, "master_state_dict") else None
+        if master:  # fp32 master weights of a 16-bit model: the saved model alone would lose precision
+            save_file({k: v.contiguous() for k, v in master.items()}, os.path.join(output_dir, MASTER_WEIGHTS_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, DART_STATE_NAME)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{checkpoint} has no {DART_STATE_NAME}: it was not written by DartESTrainer, or with "
+                "save_only_model=True, so the DART state (difficulty, replay, planner) cannot be resumed"
+            )
+        with open(path) as f:
+            self.strategy.load_state_dict(json.load(f))
+        self.es_params.sync_from_model()
+        master = os.path.join(checkpoint, MASTER_WEIGHTS_NAME)
+        if os.path.exists(master):
+            self.es_params.load_master_state_dict(load_file(master))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.es_params.is_perturbed:
+            self.es_params.restore()
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.is_world_process_zero():
+            self.create_model_card(model_name=os.path.basename(os.path.normpath(output_dir or self.args.output_dir)))
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        a = self.args
+        keys = [
+            "population_size", "sigma", "learning_rate", "per_device_train_batch_size", "seed",
+            "perturbation", "use_difficulty_reweighting", "use_targeted_replay", "replay_ratio",
+            "difficulty_ema_decay", "difficulty_weight_floor", "difficulty_weight_exponent",
+            "replay_pass_threshold", "max_replays_per_epoch", "replay_cooldown", "zero_pass_patience",
+            "fitness_shaping", "max_completion_length", "temperature",
+        ]
+        lines = ["", "## DART-ES hyperparameters", "", "| name | value |", "| --- | --- |"]
+        lines += [f"| `{k}` | {getattr(a, k)} |" for k in keys]
+        lines += ["", f"Reward functions: {', '.join(self.reward_func_names)} (weights {self.reward_weights.tolist()}).", ""]
+        with open(os.path.join(a.output_dir, "README.md"), "a") as f:
+            f.write("\n".join(lines))
