@@ -135,7 +135,7 @@ def test_buffer_rules_hold_after_every_step(seq, lam, tau, patience):
     for batch, a in seq:
         before = {i: (state.pass_rate(i), state.zero_streak(i), i in state.replay_buffer) for i in ID_POOL}
         state.update(batch, a)
-        counts = dict(zip(batch, a.sum(axis=0).tolist()))
+        counts = dict(zip(batch, a.sum(axis=0).tolist(), strict=True))
         for i in ID_POOL:
             ema0, streak0, member0 = before[i]
             if i not in batch:  # untouched

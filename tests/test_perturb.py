@@ -208,7 +208,9 @@ def test_interrupted_perturb_is_still_restored(monkeypatch):
 def reference_update(snap, members, z, lr, shapes):
     out = {}
     for name, shape in shapes.items():
-        delta = sum(zn * m.sign * gaussian(m.seed, name, shape).double() for m, zn in zip(members, z))
+        delta = sum(
+            zn * m.sign * gaussian(m.seed, name, shape).double() for m, zn in zip(members, z, strict=True)
+        )
         out[name] = (snap[name].double(), lr / len(members) * delta)
     return out
 
@@ -318,5 +320,7 @@ def test_master_state_dict_round_trip_bf16():
     fresh.load_state_dict(model.state_dict())
     restored = EvolvedParameters(fresh, 0.05)
     restored.load_master_state_dict(master)
-    assert all(torch.equal(a, b) for a, b in zip(restored.master_state_dict().values(), master.values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(restored.master_state_dict().values(), master.values(), strict=True)
+    )
     assert EvolvedParameters(small_model(), 0.05).master_state_dict() == {}  # fp32: the model is the master

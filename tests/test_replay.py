@@ -82,8 +82,8 @@ def test_replays_only_eligible_and_fill_with_fresh():
     state = seeded_difficulty({"q0": 0.0, "q1": 0.2, "q2": 0.4, "q3": 0.5})
     planner = BatchPlanner(IDS, 10, replay_ratio=0.4, seed=1)
     batch = planner.next_batch(state)
-    replayed = {i for i, r in zip(batch.ids, batch.replayed) if r}
-    fresh = [i for i, r in zip(batch.ids, batch.replayed) if not r]
+    replayed = {i for i, r in zip(batch.ids, batch.replayed, strict=True) if r}
+    fresh = [i for i, r in zip(batch.ids, batch.replayed, strict=True) if not r]
     assert len(batch) == 10 and len(set(batch.ids)) == 10
     assert replayed <= {"q0", "q1", "q2"} and batch.num_replayed == len(replayed)
     assert not replayed & set(fresh)
@@ -122,7 +122,7 @@ def test_replay_probability_follows_exp_minus_kappa_pbar():
     for seed in range(600):
         planner = BatchPlanner(ids, 2, replay_ratio=0.5, seed=seed)
         batch = planner.next_batch(state)
-        picks.update(i for i, r in zip(batch.ids, batch.replayed) if r)
+        picks.update(i for i, r in zip(batch.ids, batch.replayed, strict=True) if r)
     p_a = picks["a"] / (picks["a"] + picks["b"])
     expected = 1 / (1 + math.exp(-1.2))
     n = picks["a"] + picks["b"]
@@ -187,8 +187,8 @@ def test_every_replay_was_eligible(n_ids, batch_frac, ratio, cooldown, max_repla
         batch = planner.next_batch(state)
         assert len(batch.ids) == b and len(set(batch.ids)) == b
         assert batch.num_replayed == sum(batch.replayed) <= planner.num_replay_slots
-        fresh = {i for i, r in zip(batch.ids, batch.replayed) if not r}
-        for pid, rep in zip(batch.ids, batch.replayed):
+        fresh = {i for i, r in zip(batch.ids, batch.replayed, strict=True) if not r}
+        for pid, rep in zip(batch.ids, batch.replayed, strict=True):
             if not rep:
                 continue
             assert pid in buffer and pid not in fresh
