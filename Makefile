@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/accelerate launch --num_processes 1 recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml
+	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"

@@ -63,15 +63,13 @@ def load_model(random_init: bool):
     return LlamaForCausalLM(config).float(), "random-init Llama with the SmolLM2-135M config"
 
 
-def timed(fn, repeats: int, setup=None) -> dict[str, float]:
+def timed(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
-        if setup is not None:
-            setup()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+    return times
 
 
 def main() -> None:
@@ -95,129 +93,127 @@ def main() -> None:
     results: dict[str, dict] = {}
     reps = args.repeats
 
-    def record(key: str, what: str, timing: dict[str, float], passes: int = 1) -> None:
-        timing = dict(timing)
+    def record(key: str, what: str, times: list[float], passes: int = 1) -> None:
+        timing = {"median_s": statistics.median(times), "min_s": min(times), "repeats": len(times)}
         timing["ns_per_param"] = timing["median_s"] / passes / num_params * 1e9
+        timing["min_ns_per_param"] = timing["min_s"] / passes / num_params * 1e9
+        timing["passes"] = passes
         timing["what"] = what
         results[key] = timing
         print(
-            f"{key:32s} {timing['median_s']:8.3f} s  ({timing['ns_per_param']:.2f} ns/param)  {what}",
+            f"{key:30s} median {timing['median_s'] / passes:7.3f} s  min {timing['min_s'] / passes:7.3f} s"
+            f"  ({timing['ns_per_param']:.2f} ns/param)  {what}",
             flush=True,
         )
 
-    # ---- noise alternatives: one full pass over the model's parameters, draw only
+    # ---- noise alternatives: one full pass over the model's parameters, draw only. The candidates run
+    # round-robin, so load from other processes on a shared machine hits them alike.
+    bufs = [torch.empty(p.shape, dtype=torch.float32) for _, p in named]
+    threads = noise.get_num_threads()
+
     def old_randn():
         for name, p in named:
             gen = torch.Generator().manual_seed(tensor_seed(seed, name))
             torch.randn(p.shape, generator=gen)
-
-    record(
-        "noise_old_torch_randn",
-        "per-tensor torch.Generator + torch.randn (allocates)",
-        timed(old_randn, reps),
-    )
-
-    bufs = [torch.empty(p.shape, dtype=torch.float32) for _, p in named]
 
     def randn_out():
         for (name, p), buf in zip(named, bufs, strict=True):
             gen = torch.Generator().manual_seed(tensor_seed(seed, name))
             torch.randn(p.shape, generator=gen, out=buf)
 
-    record(
-        "noise_torch_randn_out", "per-tensor torch.randn into preallocated buffers", timed(randn_out, reps)
-    )
+    def numpy_draw(bitgen: str):
+        for (name, _), buf in zip(named, bufs, strict=True):
+            rng = np.random.Generator(getattr(np.random, bitgen)(tensor_seed(seed, name)))
+            rng.standard_normal(dtype=np.float32, out=buf.numpy())
 
+    def chunked(num_threads: int | None):
+        noise.set_num_threads(num_threads)
+        try:
+            for (name, p), buf in zip(named, bufs, strict=True):
+                gaussian(seed, name, p.shape, out=buf)
+        finally:
+            noise.set_num_threads(None)
+
+    candidates = {
+        "noise_old_torch_randn": ("per-tensor torch.Generator + torch.randn (allocates)", old_randn),
+        "noise_torch_randn_out": ("per-tensor torch.randn into preallocated buffers", randn_out),
+        "noise_chosen": (
+            f"gaussian(): 2**18-element chunks, Tensor.normal_, {threads} threads",
+            lambda: chunked(None),
+        ),
+        "noise_chosen_1_thread": ("gaussian(), 1 thread", lambda: chunked(1)),
+    }
     if not args.skip_numpy:
         for bitgen in ("PCG64", "SFC64", "Philox"):
-
-            def numpy_draw(bitgen=bitgen):
-                for (name, _), buf in zip(named, bufs, strict=True):
-                    rng = np.random.Generator(getattr(np.random, bitgen)(tensor_seed(seed, name)))
-                    rng.standard_normal(dtype=np.float32, out=buf.numpy())
-
-            record(
-                f"noise_numpy_{bitgen.lower()}",
-                f"numpy {bitgen} standard_normal(float32, out=...)",
-                timed(numpy_draw, 2),
+            candidates[f"noise_numpy_{bitgen.lower()}"] = (
+                f"numpy {bitgen} standard_normal(float32, out=...) per tensor",
+                lambda bitgen=bitgen: numpy_draw(bitgen),
             )
-
-    def chunked():
-        for (name, p), buf in zip(named, bufs, strict=True):
-            gaussian(seed, name, p.shape, out=buf)
-
-    threads = noise.get_num_threads()
-    record(
-        "noise_chosen", f"gaussian(): 2**18-element chunks, normal_, {threads} threads", timed(chunked, reps)
-    )
-    noise.set_num_threads(1)
-    record("noise_chosen_1_thread", "gaussian(), 1 thread", timed(chunked, reps))
-    noise.set_num_threads(None)
+    times: dict[str, list[float]] = {k: [] for k in candidates}
+    for _ in range(reps):
+        for key, (_, fn) in candidates.items():
+            times[key] += timed(fn, 1)
+    for key, (what, _) in candidates.items():
+        record(key, what, times[key])
     bufs.clear()  # free them before the EvolvedParameters runs
 
-    # ---- the old perturbation: draw per tensor and add in place
+    # ---- perturbation: the earlier probe's way against EvolvedParameters, interleaved as well
     def old_perturb():
         with torch.no_grad():
             for name, p in named:
                 gen = torch.Generator().manual_seed(tensor_seed(seed, name))
                 p.add_(torch.randn(p.shape, generator=gen), alpha=sigma)
 
-    record(
-        "perturb_old", "per-tensor torch.randn + add_ in place (the earlier probe)", timed(old_perturb, reps)
-    )
-
-    # ---- EvolvedParameters
     members = population(seed, args.population)
     z = np.linspace(-1.5, 1.5, args.population)
-    for cache in (False, True):
-        params = EvolvedParameters(model, sigma, cache_noise=cache)
-        if cache:
-            # First visit of each member fills the cache; perturbing again reads it.
-            record(
-                "perturb_cache_fill",
-                f"perturb, drawing into the cache (mean of {args.population} members)",
-                timed(lambda p=params: [p.perturb(m) for m in members], 1),
-                passes=args.population,
-            )
-            record(
-                "perturb_from_cache",
-                "perturb from cached noise",
-                timed(lambda p=params: p.perturb(members[0]), reps),
-            )
-            record(
-                "update_cache",
-                f"update, N={args.population}, all noise cached",
-                timed(lambda p=params: p.update(members, z, 1e-4), 1),
-            )
-        else:
-            record(
-                "perturb_nocache",
-                "perturb, noise drawn and added chunk by chunk",
-                timed(lambda p=params: p.perturb(members[0]), reps),
-            )
-            record(
-                "restore",
-                "restore (copy fp32 master into the parameters)",
-                timed(params.restore, reps, setup=lambda p=params: p.perturb(members[1])),
-            )
-            record(
-                "update_nocache",
-                f"update, N={args.population}, noise redrawn",
-                timed(lambda p=params: p.update(members, z, 1e-4), 2),
-            )
-        params.restore()
-        del params
-
-    naive = EvolvedParameters(model, sigma, exact_restore=False, cache_noise=False)
+    exact = EvolvedParameters(model, sigma, cache_noise=False)
+    reference = EvolvedParameters(model, sigma, exact_restore=False, cache_noise=False)
+    times = {"perturb_old": [], "perturb_nocache": [], "perturb_reference_mode": [], "restore": []}
+    for _ in range(reps):
+        times["perturb_old"] += timed(old_perturb, 1)
+        exact.sync_from_model()
+        times["perturb_nocache"] += timed(lambda: exact.perturb(members[0]), 1)
+        times["restore"] += timed(exact.restore, 1)
+        times["perturb_reference_mode"] += timed(lambda: reference.perturb(members[1]), 1)
+        reference.restore()
+    record("perturb_old", "per-tensor torch.randn + add_ in place (the earlier probe)", times["perturb_old"])
+    record("perturb_nocache", "perturb: noise drawn and written chunk by chunk", times["perturb_nocache"])
     record(
         "perturb_reference_mode",
         "perturb with exact_restore=False (in place, no master copy)",
-        timed(lambda: naive.perturb(members[0]), reps),
+        times["perturb_reference_mode"],
     )
-    naive.restore()
+    record("restore", "restore (copy the fp32 master into the parameters)", times["restore"])
+    record(
+        "update_nocache",
+        f"update, N={args.population}, noise redrawn (per update)",
+        timed(lambda: exact.update(members, z, 1e-4), 2),
+    )
+    exact = reference = None  # free the master copy before the cached run
+
+    # ---- with the noise cache: two steps, the second reuses the first step's buffers
+    cached = EvolvedParameters(model, sigma, cache_noise=True)
+    n = args.population
+    fill_first = timed(lambda: [cached.perturb(m) for m in members], 1)
+    update_times = timed(lambda: cached.update(members, z, 1e-4), 1)
+    fill_steady = timed(lambda: [cached.perturb(m) for m in members], 1)
+    from_cache = timed(lambda: cached.perturb(members[0]), reps)
+    update_times += timed(lambda: cached.update(members, z, 1e-4), 1)
+    record(
+        "perturb_cache_fill_first_step", "perturb drawing into newly allocated cache memory", fill_first, n
+    )
+    record(
+        "perturb_cache_fill",
+        "perturb drawing into the cache, buffers reused from the last step",
+        fill_steady,
+        n,
+    )
+    record("perturb_from_cache", "perturb from cached noise (member evaluated again)", from_cache)
+    record("update_cache", f"update, N={n}, all noise cached (per update)", update_times)
+    cached.restore()
 
     out = {
-        "command": "python benchmarks/es_bookkeeping.py " + " ".join(sys.argv[1:]),
+        "command": " ".join([".venv/bin/python benchmarks/es_bookkeeping.py", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
@@ -269,14 +265,16 @@ def _markdown(out: dict) -> str:
         f"- model: {out['model']}: {out['num_parameters']:,} trainable parameters in {out['num_tensors']} tensors",
         f"- one pass = every trainable parameter once; median of the repeats; N = {out['population']}",
         "",
-        "| operation | seconds per pass | ns / parameter | what |",
-        "| --- | ---: | ---: | --- |",
+        "| operation | s per pass (median) | s per pass (min) | ns / parameter (median) | what |",
+        "| --- | ---: | ---: | ---: | --- |",
     ]
     for key, r in out["results"].items():
-        per_pass = r["ns_per_param"] * out["num_parameters"] / 1e9
-        lines.append(f"| `{key}` | {per_pass:.3f} | {r['ns_per_param']:.2f} | {r['what']} |")
+        med, low = r["median_s"] / r["passes"], r["min_s"] / r["passes"]
+        lines.append(f"| `{key}` | {med:.3f} | {low:.3f} | {r['ns_per_param']:.2f} | {r['what']} |")
     lines.append("")
-    lines.append("`update_*` rows are per update (all N members), not per member.")
+    lines.append(
+        "`update_*` rows are per update (all N members together); `perturb_cache_fill*` rows are per member."
+    )
     lines.append("")
     return "\n".join(lines)
 

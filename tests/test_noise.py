@@ -1,3 +1,4 @@
+import hashlib
 import os
 import subprocess
 import sys
@@ -53,12 +54,13 @@ def test_derive_step_seed():
     assert len({derive_step_seed(s, t) for s in range(3) for t in range(50)}) == 150
 
 
-def test_tensor_seed_is_blake2b_not_hash():
-    # Same value in a fresh interpreter with another PYTHONHASHSEED (hash() would differ).
-    code = "from trl_dart_es.noise import tensor_seed; print(tensor_seed(42, 'model.layers.0.mlp.up_proj.weight'))"
-    env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert int(out.stdout) == tensor_seed(42, "model.layers.0.mlp.up_proj.weight")
+def test_tensor_seed_is_blake2b_of_seed_and_name():
+    # The documented definition, recomputed here: BLAKE2b, never Python's per-process hash().
+    name = "model.layers.0.mlp.up_proj.weight"
+    digest = hashlib.blake2b(
+        (42).to_bytes(8, "little") + name.encode(), digest_size=8, person=b"dart-es/tensor"
+    ).digest()
+    assert tensor_seed(42, name) == int.from_bytes(digest, "little") & (2**63 - 1)
     assert 0 <= tensor_seed(42, "a") < 2**63
     assert tensor_seed(42, "a") != tensor_seed(42, "b") != tensor_seed(43, "b")
 
@@ -123,19 +125,16 @@ def test_gaussian_independent_of_thread_count():
     assert torch.equal(one, three)
 
 
-def test_gaussian_identical_across_processes():
+def test_identical_across_processes(tmp_path):
+    # A fresh interpreter with another PYTHONHASHSEED draws the same noise (and the same seeds).
+    path = tmp_path / "noise.pt"
     code = (
-        "import torch; from trl_dart_es.noise import gaussian; "
-        "torch.save(gaussian(77, 'emb', (CHUNK + 3,)), 'PATH')"
+        "import torch; from trl_dart_es.noise import gaussian, tensor_seed; "
+        f"torch.save((tensor_seed(5, 'emb'), gaussian(77, 'emb', ({CHUNK_SIZE} + 3,))), {str(path)!r})"
     )
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dart_noise_{os.getpid()}.pt")
-    code = code.replace("CHUNK", str(CHUNK_SIZE)).replace("PATH", path)
-    try:
-        subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONHASHSEED="7"))
-        other = torch.load(path)
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONHASHSEED="12345"))
+    seed, other = torch.load(path)
+    assert seed == tensor_seed(5, "emb")
     assert torch.equal(other, gaussian(77, "emb", (CHUNK_SIZE + 3,)))
 
 

@@ -235,7 +235,6 @@ def test_update_matches_formula_and_returns_norm():
 
 
 def test_update_same_with_and_without_cache_including_chunked_params():
-    torch.manual_seed(0)
     results = []
     for cache, evaluated in [(True, "all"), (True, "half"), (False, "all")]:
         model = nn.Sequential(nn.Linear(CHUNK_SIZE // 512 + 3, 512), nn.Linear(512, 8))  # > one chunk
@@ -243,17 +242,19 @@ def test_update_same_with_and_without_cache_including_chunked_params():
         for p in model.parameters():
             nn.init.normal_(p)
         params = EvolvedParameters(model, 0.01, cache_noise=cache)
-        members = population(5, 4, antithetic=True)
-        # "half": this process evaluated only some members (as in multi-process training).
-        for m in members if evaluated == "all" else members[:2]:
-            params.perturb(m)
-        params.restore()
-        if cache:
-            assert len(params.cached_seeds) == (2 if evaluated == "all" else 1)
-        norm = params.update(members, [0.3, -1.2, 0.9, 0.1], lr=0.05)
-        results.append((norm, snapshot(model)))
-    for norm, snap in results[1:]:
-        assert norm == results[0][0]
+        norms = []
+        for step in range(2):  # the second step reuses the first step's cache buffers
+            members = population(5 + step, 4, antithetic=True)
+            # "half": this process evaluated only some members (as in multi-process training).
+            for m in members if evaluated == "all" else members[:2]:
+                params.perturb(m)
+            params.restore()
+            if cache:
+                assert len(params.cached_seeds) == (2 if evaluated == "all" else 1)
+            norms.append(params.update(members, [0.3, -1.2, 0.9, 0.1], lr=0.05))
+        results.append((norms, snapshot(model)))
+    for norms, snap in results[1:]:
+        assert norms == results[0][0]
         for k, v in snap.items():
             assert torch.equal(v, results[0][1][k]), k
 
@@ -324,3 +325,26 @@ def test_master_state_dict_round_trip_bf16():
         torch.equal(a, b) for a, b in zip(restored.master_state_dict().values(), master.values(), strict=True)
     )
     assert EvolvedParameters(small_model(), 0.05).master_state_dict() == {}  # fp32: the model is the master
+
+
+# ------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_restore_bitwise_and_cache_invariance(dtype):
+    model = small_model(dtype).cuda()
+    snap = snapshot(model)
+    members = population(0, 4, antithetic=True)
+    params = EvolvedParameters(model, 0.05)
+    for m in members:
+        params.perturb(m)
+    delta = model[0].weight.detach().float() - snap["0.weight"].float()
+    expected = 0.05 * gaussian(members[-1].seed, "0.weight", (16, 8), device="cuda") * members[-1].sign
+    torch.testing.assert_close(delta, expected, rtol=0, atol=2**-8)  # > bf16 rounding of |x| < 1
+    params.restore()
+    assert_bitwise_equal(model, snap)
+    params.update(members, [1.0, -0.5, 0.25, 2.0], lr=0.01)
+    other = small_model(dtype).cuda()
+    EvolvedParameters(other, 0.05, cache_noise=False).update(members, [1.0, -0.5, 0.25, 2.0], lr=0.01)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, other.state_dict()[k])

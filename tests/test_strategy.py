@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +169,22 @@ def test_state_dict_resume_is_exact():
     resumed.load_state_dict(saved)
     assert resumed.step == 4
     assert run(resumed, 5, seed=1) == expected
+
+
+@pytest.mark.parametrize("module", ["noise", "perturb", "difficulty", "replay", "fitness", "strategy"])
+def test_core_modules_import_no_model_or_trainer_code(module):
+    import ast
+    import importlib.util
+
+    path = importlib.util.find_spec(f"trl_dart_es.{module}").origin
+    tree = ast.parse(Path(path).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(("." * node.level) + (node.module or "").split(".")[0])
+    allowed = {"__future__", "contextlib", "dataclasses", "hashlib", "math", "os", "threading", "typing"}
+    allowed |= {"warnings", "collections", "concurrent", "numpy", "torch"}
+    allowed |= {".noise", ".difficulty", ".fitness", ".replay"}
+    assert imported <= allowed, imported - allowed

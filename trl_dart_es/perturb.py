@@ -111,8 +111,11 @@ class EvolvedParameters:
         if exact_restore:
             self._base = [p.detach().to(torch.float32, copy=True) for p in self._params]
         self._cache: dict[int, list[torch.Tensor]] = {}
+        # Buffers of cleared cache entries, reused by the next step: touching fresh pages of a large
+        # allocation costs more than drawing the noise into memory that is already mapped.
+        self._spare: list[list[torch.Tensor]] = []
         self._current: Member | None = None
-        self._applied: set[int] = set()  # reference mode: parameters currently carrying the noise
+        self._applied: set[tuple[int, int]] = set()  # reference mode: (param, start) slices carrying noise
         self._scratch = _Scratch()
         self._lock = threading.Lock()
         self._tasks = self._build_tasks()
@@ -186,7 +189,12 @@ class EvolvedParameters:
             self.restore()
         fresh = None
         if self.cache_noise and member.seed not in self._cache:
-            fresh = {member.seed: [torch.empty_like(p, dtype=torch.float32) for p in self._params]}
+            bufs = (
+                self._spare.pop()
+                if self._spare
+                else [torch.empty_like(p, dtype=torch.float32) for p in self._params]
+            )
+            fresh = {member.seed: bufs}
         alpha = member.sign * self.sigma
         # Mark first: if this is interrupted, restore() still knows the weights may be dirty.
         self._current = member
@@ -213,7 +221,12 @@ class EvolvedParameters:
                 with self._lock:
                     self._applied.add((t.index, t.start))
 
-        self._run(apply)
+        try:
+            self._run(apply)
+        except BaseException:
+            if fresh is not None:  # half-filled: not a valid cache entry, but still a reusable buffer
+                self._spare.append(bufs)
+            raise
         if fresh is not None:
             self._cache.update(fresh)
 
@@ -327,8 +340,15 @@ class EvolvedParameters:
             p.data.copy_(b)
         self.clear_cache()
 
-    def clear_cache(self) -> None:
-        """Drop cached noise (``update`` does this itself)."""
+    def clear_cache(self, free_memory: bool = False) -> None:
+        """Forget cached noise (``update`` does this itself).
+
+        The buffers are kept for the next step's members unless ``free_memory=True``.
+        """
+        if free_memory:
+            self._spare.clear()
+        else:
+            self._spare.extend(self._cache.values())
         self._cache.clear()
 
     def sync_from_model(self) -> None:

@@ -190,7 +190,7 @@ class DartES:
             "fitness/mean": float(fitness.mean()),
             "fitness/std": float(fitness.std()),
             "es/skipped": float(z is None),
-            "epoch": float(self.planner.epoch_progress),
+            "dart/epoch": float(self.planner.epoch_progress),
         }
         self.step += 1
         self._pending = None

@@ -1,0 +1,29 @@
+"""Reward functions with TRL's calling convention: `fn(completions, <dataset column>, **kwargs) -> list[float | None]`.
+
+They work unchanged as `reward_funcs` of TRL's `GRPOTrainer` and of `DartESTrainer`.
+"""
+
+from .arithmetic import Evaluation, ExpressionRejected, evaluate_arithmetic, uses_numbers_exactly_once
+from .countdown import countdown_accuracy_reward, countdown_format_reward, extract_countdown_expression
+from .gsm8k import (
+    completion_text,
+    extract_final_number,
+    gsm8k_accuracy_reward,
+    gsm8k_format_reward,
+    normalize_number,
+)
+
+__all__ = [
+    "Evaluation",
+    "ExpressionRejected",
+    "completion_text",
+    "countdown_accuracy_reward",
+    "countdown_format_reward",
+    "evaluate_arithmetic",
+    "extract_countdown_expression",
+    "extract_final_number",
+    "gsm8k_accuracy_reward",
+    "gsm8k_format_reward",
+    "normalize_number",
+    "uses_numbers_exactly_once",
+]

@@ -72,7 +72,9 @@ def evaluate_arithmetic(expression: str) -> Evaluation:
             if isinstance(node.value, float) and not (abs(node.value) < float(MAX_MAGNITUDE)):
                 raise ExpressionRejected("number literal out of range")  # also rejects inf and nan
             # Floats go through their shortest repr so that 0.5 is 1/2 and 0.1 is 1/10, not a binary fraction.
-            value = _check(Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value))
+            value = _check(
+                Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+            )
             numbers.append(value)
             return value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):

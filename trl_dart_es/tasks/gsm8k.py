@@ -16,27 +16,20 @@ from datasets import Dataset
 
 GSM8K_HUB_ID = "openai/gsm8k"
 
-# Chosen by measurement on the embedded 135M model (docs/tasks.md): a short, explicit instruction plus one
-# worked example gets it to finish with a `#### N` line far more often than an instruction alone, and
-# the example teaches the "one sentence per step" layout that the generator's solutions also use.
+# Chosen by measurement on the embedded 135M model (docs/tasks.md): a short system instruction with the
+# question alone as the user turn. A one-shot worked example made the model copy the "Question: ..."
+# pattern after its answer and lowered its pass rate; longer instructions also did worse.
 GSM8K_SYSTEM_PROMPT = (
-    "You are a careful math tutor. Solve the problem step by step, writing one short sentence per step. "
-    "Then write the final answer on its own line as '#### <number>'."
-)
-GSM8K_EXAMPLE = (
-    "Example:\n"
-    "Question: Mia has 4 boxes with 6 pens in each box. She gives away 5 pens. How many pens does Mia have now?\n"
-    "Answer: Mia has 4 * 6 = 24 pens. After giving away 5, she has 24 - 5 = 19 pens.\n"
-    "#### 19"
+    "Solve the math problem in a few short steps. "
+    "Write the final answer on the last line as #### followed by the number."
 )
 
 
 def format_gsm8k_prompt(question: str, *, conversational: bool = True) -> list[dict[str, str]] | str:
     """The prompt for one question: system + user messages, or one plain string for the standard format."""
-    user = f"{GSM8K_EXAMPLE}\n\nQuestion: {question.strip()}"
     if conversational:
-        return [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": user}]
-    return f"{GSM8K_SYSTEM_PROMPT}\n\n{user}\nAnswer:"
+        return [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question.strip()}]
+    return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question.strip()}\nAnswer:"
 
 
 _HASH_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
@@ -50,7 +43,9 @@ def extract_gsm8k_answer(solution: str) -> str:
     return match.group(1).replace(",", "").replace("$", "").strip()
 
 
-def to_trl_format(dataset: Dataset, *, split: str, conversational: bool = True, id_prefix: str = "gsm8k") -> Dataset:
+def to_trl_format(
+    dataset: Dataset, *, split: str, conversational: bool = True, id_prefix: str = "gsm8k"
+) -> Dataset:
     """Map rows shaped like `openai/gsm8k` (`question`, `answer` = worked solution) to TRL's format.
 
     `prompt` is added, `answer` becomes the bare final number, the worked solution moves to `solution`,
@@ -101,7 +96,7 @@ _SPLIT_BUCKETS = {"test": range(0, 1), "validation": range(1, 2), "train": range
 # Per level (= number of arithmetic operations): the largest starting amount and added/removed amount.
 # Tuned on the embedded model (docs/tasks.md) so that the default mix spans solved, borderline and
 # unsolved problems.
-DEFAULT_LEVEL_RANGES: dict[int, tuple[int, int]] = {1: (20, 12), 2: (30, 15), 3: (40, 20)}
+DEFAULT_LEVEL_RANGES: dict[int, tuple[int, int]] = {1: (10, 9), 2: (12, 9), 3: (20, 10)}
 _FACTORS = (2, 3, 4, 5)
 
 
@@ -169,8 +164,12 @@ def _generate_problem(rng: random.Random, level: int, max_start: int, max_delta:
             steps.append(f"{He} keeps one of {k} equal groups, so {x} / {k} = {x // k}.")
             x //= k
         ops_left -= 1
-    question = " ".join(story) + " " + rng.choice(
-        [f"How many {obj} does {name} have now?", f"How many {obj} does {name} have at the end?"]
+    question = (
+        " ".join(story)
+        + " "
+        + rng.choice(
+            [f"How many {obj} does {name} have now?", f"How many {obj} does {name} have at the end?"]
+        )
     )
     solution = "\n".join(steps + [f"#### {x}"])
     return {"question": question, "solution": solution, "answer": str(x), "level": level}
@@ -202,7 +201,9 @@ def make_synthetic_gsm8k(
         conversational: messages (`True`, default) or a plain-string prompt (TRL's standard format).
     """
     if split not in _SPLIT_BUCKETS:
-        raise ValueError(f"Unknown split {split!r} for synthetic GSM8K; choose from {sorted(_SPLIT_BUCKETS)}.")
+        raise ValueError(
+            f"Unknown split {split!r} for synthetic GSM8K; choose from {sorted(_SPLIT_BUCKETS)}."
+        )
     ranges = {**DEFAULT_LEVEL_RANGES, **(level_ranges or {})}
     bad = [lvl for lvl in levels if lvl not in ranges]
     if not levels or bad:

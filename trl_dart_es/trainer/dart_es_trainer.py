@@ -225,9 +225,17 @@ class DartESTrainer(_BaseTrainer):
             replay_cooldown=args.replay_cooldown,
             zero_pass_patience=args.zero_pass_patience,
         )
-        self.es_params = EvolvedParameters(
-            self.model, args.sigma, exact_restore=args.exact_restore, cache_noise=self._use_noise_cache()
-        )
+        if args.perturbation == "lowrank":  # EGGROLL: rank-r noise on matrices, one batched generate per step
+            from ..lowrank import LowRankParameters
+
+            self.es_params = LowRankParameters(
+                self.model, args.sigma, rank=args.perturbation_rank, exact_restore=args.exact_restore,
+                cache_noise=self._use_noise_cache(),
+            )
+        else:
+            self.es_params = EvolvedParameters(
+                self.model, args.sigma, exact_restore=args.exact_restore, cache_noise=self._use_noise_cache()
+            )
         self.rollout = self._build_rollout()
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_samples: list[tuple[str, str, float]] = []

@@ -1,0 +1,134 @@
+"""A few DART-ES steps on a tiny model, run alone or under `accelerate launch`; used by tests/test_distributed.py.
+
+Every process writes `<out>/rank<r>.json` (world size, its members, DART state) and
+`<out>/rank<r>.safetensors` (its final weights), so the test can check that the run really had the
+expected number of processes and that every process ends with the same weights as a one-process run.
+
+    python tests/scripts/dist_train.py --tokenizer DIR --out DIR
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/dist_train.py --tokenizer DIR --out DIR
+
+`--fail-rank R --fail-step S --fail-mode exit|hang` makes rank R die (`os._exit(0)`, no traceback and a
+"successful" exit code, the worst case for a launcher) or hang inside its reward function at step S.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest.make_tiny_llama
+from conftest import make_tiny_llama  # noqa: E402
+
+from trl_dart_es import DartESConfig, DartESTrainer  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--population", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max-completion-length", type=int, default=6)
+    p.add_argument("--ddp-timeout", type=int, default=1800)
+    p.add_argument("--fail-rank", type=int, default=None)
+    p.add_argument("--fail-step", type=int, default=2)
+    p.add_argument("--fail-mode", choices=["exit", "hang"], default="exit")
+    return p.parse_args()
+
+
+def main() -> None:
+    cli = parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    tokenizer = AutoTokenizer.from_pretrained(cli.tokenizer, padding_side="left")
+    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+
+    n = 12
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + {i + 1}?"}] for i in range(n)],
+            "id": [f"p{i}" for i in range(n)],
+        }
+    )
+
+    def parity_reward(completion_ids, trainer_state=None, **kwargs):
+        """Primary 0/1 reward: solved when the first generated token id is even."""
+        if cli.fail_rank == rank and trainer_state is not None and trainer_state.global_step + 1 == cli.fail_step:
+            print(f"[rank {rank}] failing ({cli.fail_mode}) at step {cli.fail_step}", flush=True)
+            if cli.fail_mode == "exit":
+                os._exit(0)
+            time.sleep(3600)
+        return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+    def length_reward(completions, **kwargs):
+        return [len(c[0]["content"]) / 100.0 for c in completions]
+
+    args = DartESConfig(
+        output_dir=str(Path(cli.out) / "trainer"),
+        population_size=cli.population,
+        per_device_train_batch_size=cli.batch,
+        max_completion_length=cli.max_completion_length,
+        sigma=0.05,
+        learning_rate=0.05,
+        max_steps=cli.steps,
+        use_cpu=True,  # without it Accelerate on a GPU-less machine sees one process per rank
+        ddp_timeout=cli.ddp_timeout,
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
+    trainer = DartESTrainer(
+        model=model,
+        reward_funcs=[parity_reward, length_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    acc = trainer.accelerator
+    world = acc.num_processes
+    torch_world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    assert world == torch_world == int(os.environ.get("WORLD_SIZE", 1)), (world, torch_world)
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.metrics = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.metrics.append(dict(logs or {}))
+
+    record = Record()
+    trainer.add_callback(record)
+    trainer.train()
+
+    out = Path(cli.out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+    save_file(weights, str(out / f"rank{acc.process_index}.safetensors"))
+    info = {
+        "rank": acc.process_index,
+        "world_size": world,
+        "torch_world_size": torch_world,
+        "local_members": trainer._local_members(cli.population),
+        "global_step": trainer.state.global_step,
+        "dart_state": trainer.strategy.state_dict(),
+        "logs": record.metrics,
+    }
+    (out / f"rank{acc.process_index}.json").write_text(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()

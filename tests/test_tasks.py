@@ -1,0 +1,154 @@
+import re
+from fractions import Fraction
+
+import pytest
+from datasets import Dataset
+
+from trl_dart_es.rewards import evaluate_arithmetic, gsm8k_accuracy_reward, gsm8k_format_reward
+from trl_dart_es.tasks import (
+    TASKS,
+    extract_gsm8k_answer,
+    get_task,
+    load_task_dataset,
+    make_countdown,
+    make_synthetic_gsm8k,
+    to_trl_format,
+)
+
+# Rows shaped like the real `openai/gsm8k` "main" config: the answer column holds the worked solution.
+GSM8K_LIKE = Dataset.from_dict(
+    {
+        "question": [
+            "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?",
+            "A company paid $1,200 to each of 3 workers. How much did it pay?",
+        ],
+        "answer": [
+            "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+            "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+            "It paid 3 * 1200 = <<3*1200=3600>>3600 dollars.\n#### 3,600",
+        ],
+    }
+)
+
+
+def test_gsm8k_mapping_conversational():
+    ds = to_trl_format(GSM8K_LIKE, split="train")
+    assert ds["answer"] == ["72", "3600"]
+    assert ds["id"] == ["gsm8k-train-00000", "gsm8k-train-00001"]
+    assert ds["question"] == GSM8K_LIKE["question"]  # extra columns are kept
+    assert ds["solution"] == GSM8K_LIKE["answer"]  # the worked solution is not lost
+    prompt = ds[0]["prompt"]
+    assert [m["role"] for m in prompt] == ["system", "user"]
+    assert GSM8K_LIKE["question"][0] in prompt[1]["content"]
+    assert "####" in prompt[0]["content"]
+
+
+def test_gsm8k_mapping_standard_format():
+    ds = to_trl_format(GSM8K_LIKE, split="test", conversational=False)
+    assert isinstance(ds[0]["prompt"], str)
+    assert GSM8K_LIKE["question"][1] in ds[1]["prompt"]
+    assert ds["id"][1] == "gsm8k-test-00001"
+
+
+def test_extract_gsm8k_answer_requires_marker():
+    assert extract_gsm8k_answer("so 5\n#### -5") == "-5"
+    with pytest.raises(ValueError):
+        extract_gsm8k_answer("no final answer")
+
+
+def test_synthetic_gsm8k_columns_and_solutions():
+    ds = make_synthetic_gsm8k(60, split="train", seed=3)
+    assert set(ds.column_names) >= {"prompt", "answer", "id", "question", "solution", "level"}
+    assert len(set(ds["id"])) == 60 and len(set(ds["question"])) == 60
+    for row in ds:
+        assert row["level"] in (1, 2, 3)
+        assert row["solution"].endswith(f"#### {row['answer']}")
+        assert int(row["answer"]) >= 0
+        # The worked solution has one equation per operation, and each one is arithmetically true.
+        equations = re.findall(r"(\d+ [-+*/] \d+) = (\d+)", row["solution"])
+        assert len(equations) == row["level"]
+        for lhs, rhs in equations:
+            assert evaluate_arithmetic(lhs).value == Fraction(int(rhs))
+        # A reference solution is a perfect completion for both rewards.
+    assert gsm8k_accuracy_reward(ds["solution"], ds["answer"]) == [1.0] * 60
+    assert gsm8k_format_reward(ds["solution"]) == [1.0] * 60
+
+
+def test_synthetic_gsm8k_is_deterministic_and_seeded():
+    a = make_synthetic_gsm8k(20, split="train", seed=1)
+    b = make_synthetic_gsm8k(20, split="train", seed=1)
+    c = make_synthetic_gsm8k(20, split="train", seed=2)
+    assert a.to_list() == b.to_list()
+    assert a["question"] != c["question"]
+    assert not set(a["id"]) & set(c["id"])
+
+
+def test_synthetic_gsm8k_splits_are_disjoint():
+    train = make_synthetic_gsm8k(1000, split="train", seed=0)
+    test = make_synthetic_gsm8k(300, split="test", seed=0)
+    test_other_seed = make_synthetic_gsm8k(300, split="test", seed=1)
+    assert not set(train["question"]) & set(test["question"])
+    assert not set(train["question"]) & set(test_other_seed["question"])
+    assert not set(train["id"]) & set(test["id"])
+
+
+def test_synthetic_gsm8k_levels_and_weights():
+    only_one = make_synthetic_gsm8k(30, levels=(1,))
+    assert set(only_one["level"]) == {1}
+    mixed = make_synthetic_gsm8k(300, levels=(1, 3), level_weights=(3.0, 1.0))
+    counts = {lvl: mixed["level"].count(lvl) for lvl in (1, 3)}
+    assert counts[1] > 1.5 * counts[3] > 0
+    with pytest.raises(ValueError):
+        make_synthetic_gsm8k(5, levels=(7,))
+    with pytest.raises(ValueError):
+        make_synthetic_gsm8k(5, split="dev")
+
+
+def test_countdown_is_solvable_by_construction():
+    for num_numbers in (3, 4):
+        ds = make_countdown(50, split="train", seed=0, num_numbers=num_numbers)
+        assert set(ds.column_names) >= {"prompt", "numbers", "target", "id", "solution"}
+        for row in ds:
+            assert len(row["numbers"]) == num_numbers
+            evaluation = evaluate_arithmetic(row["solution"])
+            assert evaluation.value == row["target"]
+            assert sorted(evaluation.numbers) == sorted(Fraction(n) for n in row["numbers"])
+            assert str(row["target"]) in row["prompt"][1]["content"]
+
+
+def test_countdown_splits_disjoint_and_deterministic():
+    train = make_countdown(300, split="train", seed=0)
+    test = make_countdown(100, split="test", seed=0)
+    key = lambda row: (tuple(sorted(row["numbers"])), row["target"])  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in test}
+    assert make_countdown(10, split="test", seed=0).to_list() == test.select(range(10)).to_list()
+
+
+def test_load_task_dataset_names_and_formats():
+    ds = load_task_dataset("embedded:gsm8k", "test", num_examples=8)
+    assert len(ds) == 8 and isinstance(ds[0]["prompt"], list)
+    std = load_task_dataset("embedded:countdown", "train", num_examples=4, conversational=False)
+    assert isinstance(std[0]["prompt"], str)
+    assert set(TASKS) == {"openai/gsm8k", "embedded:gsm8k", "embedded:countdown"}
+    assert get_task("embedded:gsm8k").reward_weights == (1.0, 0.1)
+    with pytest.raises(ValueError, match="embedded:gsm8k"):
+        load_task_dataset("gsm9k", "train")
+
+
+def test_default_sizes():
+    assert len(load_task_dataset("embedded:gsm8k", "test")) == 128
+
+
+def test_hub_gsm8k_goes_through_load_dataset(monkeypatch):
+    # The hub path is offline here; check it asks for the right data set and maps what it gets.
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        return GSM8K_LIKE
+
+    monkeypatch.setattr("datasets.load_dataset", fake_load_dataset)
+    ds = load_task_dataset("openai/gsm8k", "test")
+    assert calls == [("openai/gsm8k", "main", "test")]
+    assert ds["answer"] == ["72", "3600"] and ds["id"][0] == "gsm8k-test-00000"

