@@ -146,6 +146,11 @@ def main() -> None:
             for run in runs
         ],
         "solved_by_base_and_perturbed": {lvl: dict(v) for lvl, v in sorted(by_level.items())},
+        "problems": [
+            {"id": dataset["id"][j], "level": levels[j], "answer": dataset["answer"][j],
+             "solved_by": [run["member"] for run in runs if run["correct"][j] == 1.0]}
+            for j in range(len(dataset))
+        ],
         "examples": [
             {"id": dataset["id"][j], "level": levels[j], "answer": dataset["answer"][j], "question": dataset["question"][j],
              "base_completion": runs[0]["completions"][j], "solved_by": solves[j]}

@@ -20,7 +20,10 @@ def main(script_args: ScriptArguments, training_args: DartESConfig, model_args: 
     eval_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_test_split)
 
     # Model: a hub id, a local path, or "embedded:smollm2-135m" (offline).
-    training_args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(training_args.model_init_kwargs or {})}
+    training_args.model_init_kwargs = {
+        "dtype": model_args.dtype or "float32",
+        **(training_args.model_init_kwargs or {}),
+    }
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=[gsm8k_accuracy_reward, gsm8k_format_reward],

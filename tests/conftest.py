@@ -7,7 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def make_tiny_llama(vocab_size: int = 128, hidden: int = 32, layers: int = 2, dtype=torch.float32, seed: int = 0):
+def make_tiny_llama(
+    vocab_size: int = 128, hidden: int = 32, layers: int = 2, dtype=torch.float32, seed: int = 0
+):
     """A tiny Llama built from a config: fast enough for unit tests, real enough for `generate`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

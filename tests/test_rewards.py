@@ -82,11 +82,12 @@ def test_gsm8k_format_reward_levels():
         "Mia has 4 * 6 = 24 pens.\n#### 24",  # reasoning + final line
         "#### 24",  # no reasoning
         "Mia has 24 pens.\n#### 24\nThe answer is 24.",  # text after the answer
+        "Mia has 24 pens.\n#### 24\n#### 24",  # a stutter of answers
         "Mia has 24 pens.",  # a number but no marker
         "I do not know.",
         "",
     ]
-    expected = [1.0, 0.5, 0.5, 0.1, 0.0, 0.0]
+    expected = [1.0, 0.5, 0.5, 0.5, 0.1, 0.0, 0.0]
     assert gsm8k_format_reward(texts) == expected
     assert gsm8k_format_reward(as_messages(texts)) == expected
 

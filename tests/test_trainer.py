@@ -101,8 +101,14 @@ def test_config_defaults_follow_reference(tmp_path):
 def test_trainer_rejects_optimizers(tmp_path, tiny_lm, tokenizer):
     opt = torch.optim.SGD(tiny_lm.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="optimizers"):
-        DartESTrainer(tiny_lm, parity_reward, _config(tmp_path), _dataset(), processing_class=tokenizer,
-                      optimizers=(opt, None))
+        DartESTrainer(
+            tiny_lm,
+            parity_reward,
+            _config(tmp_path),
+            _dataset(),
+            processing_class=tokenizer,
+            optimizers=(opt, None),
+        )
 
 
 def test_trainer_rejects_dataset_without_prompt(tmp_path, tiny_lm, tokenizer):
@@ -119,7 +125,9 @@ def test_trainer_rejects_duplicate_ids(tmp_path, tiny_lm, tokenizer):
 
 def test_trainer_rejects_unsupported_grpo_arguments(tmp_path, tiny_lm, tokenizer):
     with pytest.raises(TypeError, match="tools"):
-        DartESTrainer(tiny_lm, parity_reward, _config(tmp_path), _dataset(), processing_class=tokenizer, tools=[])
+        DartESTrainer(
+            tiny_lm, parity_reward, _config(tmp_path), _dataset(), processing_class=tokenizer, tools=[]
+        )
 
 
 def test_trainer_rejects_wrong_number_of_reward_weights(tmp_path, tiny_lm, tokenizer):
@@ -130,7 +138,9 @@ def test_trainer_rejects_wrong_number_of_reward_weights(tmp_path, tiny_lm, token
 # --------------------------------------------------------------------------------------------- training
 @pytest.mark.parametrize("conversational", [True, False])
 def test_one_step_moves_weights_and_logs_metrics(tmp_path, tiny_lm, tokenizer, conversational):
-    trainer = _trainer(tmp_path, tiny_lm, tokenizer, dataset=_dataset(conversational=conversational), max_steps=1)
+    trainer = _trainer(
+        tmp_path, tiny_lm, tokenizer, dataset=_dataset(conversational=conversational), max_steps=1
+    )
     before = _params(trainer.model)
     trainer.train()
     after = _params(trainer.model)
@@ -138,11 +148,20 @@ def test_one_step_moves_weights_and_logs_metrics(tmp_path, tiny_lm, tokenizer, c
     assert any(not torch.equal(before[n], after[n]) for n in before)
     logs = trainer.state.log_history[0]
     for key in [
-        "loss", "reward", "reward_std", "rewards/parity_reward/mean", "rewards/length_reward/mean", "update_norm",
-        "time/generation", "time/reward", "time/es", "tokens_per_s",
+        "loss",
+        "reward",
+        "reward_std",
+        "rewards/parity_reward/mean",
+        "rewards/length_reward/mean",
+        "update_norm",
+        "time/generation",
+        "time/reward",
+        "time/es",
+        "tokens_per_s",
     ]:
         assert key in logs, key
     assert logs["update_norm"] > 0
+    assert "grad_norm" not in logs  # ES has no gradients; Trainer's gradient norm would be a misleading 0
 
 
 def test_rewards_get_grpo_keyword_arguments(tmp_path, tiny_lm, tokenizer):
@@ -168,8 +187,9 @@ def test_none_rewards_become_nan_and_async_rewards_run(tmp_path, tiny_lm, tokeni
     def sometimes_none(completions, **kwargs):
         return [None if i % 2 else 0.5 for i in range(len(completions))]
 
-    trainer = _trainer(tmp_path, tiny_lm, tokenizer, reward_funcs=[parity_reward, async_reward, sometimes_none],
-                       max_steps=1)
+    trainer = _trainer(
+        tmp_path, tiny_lm, tokenizer, reward_funcs=[parity_reward, async_reward, sometimes_none], max_steps=1
+    )
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["rewards/async_reward/mean"] == 1.0
@@ -180,8 +200,14 @@ def test_trl_reward_functions_run_unchanged(tmp_path, tiny_lm, tokenizer):
     from trl.rewards import get_soft_overlong_punishment, think_format_reward
 
     overlong = get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=2)
-    trainer = _trainer(tmp_path, tiny_lm, tokenizer, reward_funcs=[think_format_reward, overlong], max_steps=1,
-                       solved_threshold=1.0)
+    trainer = _trainer(
+        tmp_path,
+        tiny_lm,
+        tokenizer,
+        reward_funcs=[think_format_reward, overlong],
+        max_steps=1,
+        solved_threshold=1.0,
+    )
     trainer.train()
     assert "rewards/think_format_reward/mean" in trainer.state.log_history[0]
 
@@ -220,8 +246,9 @@ def test_interrupt_during_generation_restores_weights(tmp_path, tiny_lm, tokeniz
 
 
 def test_plain_es_switches(tmp_path, tiny_lm, tokenizer):
-    trainer = _trainer(tmp_path, tiny_lm, tokenizer, use_difficulty_reweighting=False, use_targeted_replay=False,
-                       max_steps=2)
+    trainer = _trainer(
+        tmp_path, tiny_lm, tokenizer, use_difficulty_reweighting=False, use_targeted_replay=False, max_steps=2
+    )
     trainer.train()
     for logs in trainer.state.log_history[:2]:
         assert logs["dart/weight_mean"] == 1.0 and logs["dart/weight_max"] == 1.0
@@ -232,7 +259,11 @@ def test_peft_updates_only_adapter(tmp_path, tiny_lm, tokenizer):
     from peft import LoraConfig
 
     trainer = DartESTrainer(
-        tiny_lm, parity_reward, _config(tmp_path, max_steps=1), _dataset(), processing_class=tokenizer,
+        tiny_lm,
+        parity_reward,
+        _config(tmp_path, max_steps=1),
+        _dataset(),
+        processing_class=tokenizer,
         peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     before = _params(trainer.model)
@@ -248,8 +279,13 @@ def test_same_seed_same_trajectory(tmp_path, tokenizer):
     runs = []
     for i in range(2):
         model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)
-        trainer = DartESTrainer(model, [parity_reward, length_reward], _config(tmp_path / str(i), max_steps=2),
-                                _dataset(), processing_class=tokenizer)
+        trainer = DartESTrainer(
+            model,
+            [parity_reward, length_reward],
+            _config(tmp_path / str(i), max_steps=2),
+            _dataset(),
+            processing_class=tokenizer,
+        )
         trainer.train()
         runs.append((_params(trainer.model), trainer.strategy.state_dict()))
     for n in runs[0][0]:
@@ -263,9 +299,16 @@ def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, tokenizer):
 
     def run(out, max_steps, resume=None):
         model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)
-        args = _config(tmp_path / out, max_steps=max_steps, save_strategy="steps", save_steps=2,
-                       per_device_train_batch_size=3)
-        trainer = DartESTrainer(model, [parity_reward, length_reward], args, _dataset(), processing_class=tokenizer)
+        args = _config(
+            tmp_path / out,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=2,
+            per_device_train_batch_size=3,
+        )
+        trainer = DartESTrainer(
+            model, [parity_reward, length_reward], args, _dataset(), processing_class=tokenizer
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -296,8 +339,14 @@ def test_resume_from_foreign_checkpoint_is_a_clear_error(tmp_path, tiny_lm, toke
 # ------------------------------------------------------------------------------------------- evaluation
 def test_evaluation_runs_on_schedule_with_unperturbed_model(tmp_path, tiny_lm, tokenizer):
     args = _config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3)
-    trainer = DartESTrainer(tiny_lm, [parity_reward, length_reward], args, _dataset(), eval_dataset=_dataset(5),
-                            processing_class=tokenizer)
+    trainer = DartESTrainer(
+        tiny_lm,
+        [parity_reward, length_reward],
+        args,
+        _dataset(),
+        eval_dataset=_dataset(5),
+        processing_class=tokenizer,
+    )
     trainer.train()
     evals = [log for log in trainer.state.log_history if "eval_accuracy" in log]
     assert [log["step"] for log in evals] == [1, 2]

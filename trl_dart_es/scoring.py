@@ -22,7 +22,8 @@ def reward_func_name(func: Any) -> str:
 
 
 def _is_async(func: Any) -> bool:
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    # An object whose __call__ is `async def` is async too.
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 class RewardScorer:

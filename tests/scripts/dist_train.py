@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-completion-length", type=int, default=6)
     p.add_argument("--ddp-timeout", type=int, default=1800)
+    p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu=False (mis-launch on CPU)")
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-step", type=int, default=2)
     p.add_argument("--fail-mode", choices=["exit", "hang"], default="exit")
@@ -66,7 +67,11 @@ def main() -> None:
 
     def parity_reward(completion_ids, trainer_state=None, **kwargs):
         """Primary 0/1 reward: solved when the first generated token id is even."""
-        if cli.fail_rank == rank and trainer_state is not None and trainer_state.global_step + 1 == cli.fail_step:
+        if (
+            cli.fail_rank == rank
+            and trainer_state is not None
+            and trainer_state.global_step + 1 == cli.fail_step
+        ):
             print(f"[rank {rank}] failing ({cli.fail_mode}) at step {cli.fail_step}", flush=True)
             if cli.fail_mode == "exit":
                 os._exit(0)
@@ -84,7 +89,7 @@ def main() -> None:
         sigma=0.05,
         learning_rate=0.05,
         max_steps=cli.steps,
-        use_cpu=True,  # without it Accelerate on a GPU-less machine sees one process per rank
+        use_cpu=not cli.no_use_cpu,  # without it Accelerate on a GPU-less machine sees one process per rank
         ddp_timeout=cli.ddp_timeout,
         report_to="none",
         seed=0,
@@ -124,6 +129,7 @@ def main() -> None:
         "torch_world_size": torch_world,
         "local_members": trainer._local_members(cli.population),
         "global_step": trainer.state.global_step,
+        "model_wrapped": type(trainer.model_wrapped).__name__,
         "dart_state": trainer.strategy.state_dict(),
         "logs": record.metrics,
     }

@@ -94,15 +94,21 @@ def gsm8k_accuracy_reward(completions: list[Any], answer: list[str], **kwargs: A
 def gsm8k_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """The reference run's format reward, adapted to prompts without `<think>` tags.
 
-    - 1.0: reasoning (at least one non-empty line) followed by a last line that is just `#### <number>`;
-    - 0.5: a `#### <number>` answer, but no reasoning before it or more text after it;
+    - 1.0: reasoning (at least one non-empty line, without `####`) followed by a last line that is just
+      `#### <number>`;
+    - 0.5: a `#### <number>` answer, but no reasoning before it, more text after it, or several `####`;
     - 0.1: no `#### <number>`, but the completion contains a number (an answer the fallback can read);
     - 0.0: otherwise.
     """
     rewards: list[float] = []
     for completion in completions:
         lines = [line for line in completion_text(completion).splitlines() if line.strip()]
-        if len(lines) >= 2 and _FINAL_LINE_RE.fullmatch(lines[-1].strip()):
+        reasoning = lines[:-1]
+        if (
+            reasoning
+            and _FINAL_LINE_RE.fullmatch(lines[-1].strip())
+            and not any("####" in line for line in reasoning)  # one answer, not a stutter of "#### N" lines
+        ):
             rewards.append(1.0)
         elif any(_HASH_NUMBER_RE.search(line) for line in lines):
             rewards.append(0.5)

@@ -85,7 +85,10 @@ class TransformersRollout:
             torch.manual_seed(seed)  # sampling is reproducible per (step, member)
         texts, ids = [], []
         for enc in chunks:
-            out = self.model.generate(**enc, generation_config=self.generation_config)
+            # `tokenizer` lets users pass `stop_strings` through `generation_kwargs`.
+            out = self.model.generate(
+                **enc, generation_config=self.generation_config, tokenizer=self.tokenizer
+            )
             gen = self._decode(out, enc["input_ids"].shape[1])
             texts += gen.texts
             ids += gen.token_ids

@@ -399,6 +399,7 @@ def _push_weights(engine: _Engine, weights: list[tuple[str, torch.Tensor]]) -> N
 
         def load(worker):
             worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            _refresh_tied_cpu_gemms(worker.model_runner.model)
 
     else:
 
@@ -408,6 +409,26 @@ def _push_weights(engine: _Engine, weights: list[tuple[str, torch.Tensor]]) -> N
     engine.llm.collective_rpc(load)
     engine.stats["pushes"] += 1
     engine.stats["push_s"] += time.perf_counter() - t0
+
+
+def _refresh_tied_cpu_gemms(model: torch.nn.Module) -> None:
+    """Re-pack the CPU GEMM of every module whose weight is tied to an earlier module's (a tied ``lm_head``).
+
+    vLLM on CPU packs a private copy of each weight for its matmul kernel. ``reload_weights`` re-packs the
+    modules it loads, but a tied ``lm_head`` receives no tensor of its own (its weight *is* the embedding),
+    so its packed copy would keep the old embedding and the logits would come from stale weights. Found by
+    comparing prompt log-probabilities against transformers after a push (tests/test_vllm.py).
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    seen: set[int] = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor) or weight.numel() == 0:
+            continue
+        if weight.data_ptr() in seen:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        seen.add(weight.data_ptr())
 
 
 # ------------------------------------------------------------------------------------------------ rollout

@@ -52,13 +52,19 @@ class DartESConfig(TrainingArguments):
     max_grad_norm: float = field(default=0.0, metadata={"help": "Unused: ES computes no gradients."})
     logging_steps: float = field(default=1, metadata={"help": "Log every X ES steps."})
     report_to: str | list[str] = field(default="none", metadata={"help": "Integrations to report to."})
-    save_strategy: str = field(default="no", metadata={"help": "Checkpoint strategy ('no', 'steps', 'epoch')."})
-    use_cpu: bool = field(default=False, metadata={"help": "Run on CPU even when an accelerator is available."})
+    save_strategy: str = field(
+        default="no", metadata={"help": "Checkpoint strategy ('no', 'steps', 'epoch')."}
+    )
+    use_cpu: bool = field(
+        default=False, metadata={"help": "Run on CPU even when an accelerator is available."}
+    )
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Keyword arguments for `from_pretrained` when `model` is a string (as in GRPOConfig)."},
+        metadata={
+            "help": "Keyword arguments for `from_pretrained` when `model` is a string (as in GRPOConfig)."
+        },
     )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow custom model code from the hub. Off unless you turn it on."}
@@ -68,23 +74,31 @@ class DartESConfig(TrainingArguments):
     )
 
     # Generation (GRPO names)
-    max_completion_length: int = field(default=256, metadata={"help": "Maximum tokens generated per completion."})
+    max_completion_length: int = field(
+        default=256, metadata={"help": "Maximum tokens generated per completion."}
+    )
     temperature: float = field(
         default=0.0, metadata={"help": "Sampling temperature. 0 means greedy decoding (the reference)."}
     )
     top_p: float = field(default=1.0, metadata={"help": "Top-p sampling (only when temperature > 0)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it (only when temperature > 0)."})
-    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling (only when temperature > 0)."})
+    top_k: int = field(
+        default=0, metadata={"help": "Top-k sampling; 0 disables it (only when temperature > 0)."}
+    )
+    min_p: float | None = field(
+        default=None, metadata={"help": "Min-p sampling (only when temperature > 0)."}
+    )
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty (1.0 = none)."})
     generation_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for generation (GenerationConfig / SamplingParams)."}
+        default=None,
+        metadata={"help": "Extra keyword arguments for generation (GenerationConfig / SamplingParams)."},
     )
     generation_batch_size: int | None = field(
         default=None,
         metadata={"help": "Prompts per `generate` call for one member. Default: all B prompts in one call."},
     )
     chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for the chat template (conversational data)."}
+        default=None,
+        metadata={"help": "Extra keyword arguments for the chat template (conversational data)."},
     )
 
     # Rewards
@@ -94,7 +108,9 @@ class DartESConfig(TrainingArguments):
     )
     primary_reward_index: int = field(
         default=0,
-        metadata={"help": "Index of the primary (correctness) reward: it defines 'solved' and gets DART weights."},
+        metadata={
+            "help": "Index of the primary (correctness) reward: it defines 'solved' and gets DART weights."
+        },
     )
     solved_threshold: float = field(
         default=1.0, metadata={"help": "A member solves a problem when its primary reward is at least this."}
@@ -104,7 +120,8 @@ class DartESConfig(TrainingArguments):
     population_size: int = field(default=40, metadata={"help": "Population size N (perturbations per step)."})
     sigma: float = field(default=1.5e-3, metadata={"help": "Noise scale σ of the perturbations."})
     antithetic: bool = field(
-        default=False, metadata={"help": "Mirrored sampling: members in ± pairs (population_size must be even)."}
+        default=False,
+        metadata={"help": "Mirrored sampling: members in ± pairs (population_size must be even)."},
     )
     fitness_shaping: str = field(
         default="zscore", metadata={"help": "'zscore' (reference) or 'rank' (centred ranks)."}
@@ -131,13 +148,18 @@ class DartESConfig(TrainingArguments):
             "N × trainable parameters × 4 bytes fits in `noise_cache_max_gb`)."
         },
     )
-    noise_cache_max_gb: float = field(default=8.0, metadata={"help": "Memory budget of the noise cache (GiB)."})
+    noise_cache_max_gb: float = field(
+        default=8.0, metadata={"help": "Memory budget of the noise cache (GiB)."}
+    )
 
     # DART: difficulty-aware reweighting
     use_difficulty_reweighting: bool = field(
-        default=True, metadata={"help": "Weight the primary reward by w_j = w_floor + exp(-κ p̄_j). Off: w ≡ 1."}
+        default=True,
+        metadata={"help": "Weight the primary reward by w_j = w_floor + exp(-κ p̄_j). Off: w ≡ 1."},
     )
-    difficulty_ema_decay: float = field(default=0.7, metadata={"help": "EMA decay λ of the per-problem pass rate."})
+    difficulty_ema_decay: float = field(
+        default=0.7, metadata={"help": "EMA decay λ of the per-problem pass rate."}
+    )
     difficulty_weight_floor: float = field(default=0.8, metadata={"help": "Weight floor w_floor."})
     difficulty_weight_exponent: float = field(default=3.0, metadata={"help": "Weight exponent κ."})
 
@@ -149,19 +171,28 @@ class DartESConfig(TrainingArguments):
     replay_pass_threshold: float = field(
         default=0.5, metadata={"help": "τ: a problem with p̄ ≥ τ counts as mastered and leaves the buffer."}
     )
-    max_replays_per_epoch: int = field(default=2, metadata={"help": "Maximum replays of one problem per epoch."})
-    replay_cooldown: int = field(default=1, metadata={"help": "Steps a problem waits before it is replayed again."})
+    max_replays_per_epoch: int = field(
+        default=2, metadata={"help": "Maximum replays of one problem per epoch."}
+    )
+    replay_cooldown: int = field(
+        default=1, metadata={"help": "Steps a problem waits before it is replayed again."}
+    )
     zero_pass_patience: int = field(
-        default=2, metadata={"help": "P: unsolved by every member this many visits in a row → leaves the buffer."}
+        default=2,
+        metadata={"help": "P: unsolved by every member this many visits in a row → leaves the buffer."},
     )
 
     # vLLM (GRPO names)
     use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (one engine per process)."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "Only 'colocate': the engine lives in the process."})
+    vllm_mode: str = field(
+        default="colocate", metadata={"help": "Only 'colocate': the engine lives in the process."}
+    )
     vllm_gpu_memory_utilization: float = field(
         default=0.3, metadata={"help": "GPU memory fraction for the vLLM engine (CUDA)."}
     )
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel size of the vLLM engine."})
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Tensor parallel size of the vLLM engine."}
+    )
     vllm_max_model_length: int | None = field(
         default=None, metadata={"help": "Context length of the vLLM engine. Default: the model's."}
     )

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.utils import is_peft_available
 from trl.trainer.base_trainer import _BaseTrainer
 
+from ..distributed import check_distributed_setup, gather_object_with_timeout
 from ..embedded import resolve_model_path
 from ..perturb import EvolvedParameters
 from ..rollout.prompts import as_completions
@@ -117,6 +118,7 @@ class DartESTrainer(_BaseTrainer):
             args = DartESConfig(f"{str(name).rstrip('/').split('/')[-1]}-DART-ES")
         if not isinstance(args, DartESConfig):
             raise TypeError(f"args must be a DartESConfig, got {type(args).__name__}")
+        check_distributed_setup(args)  # before loading anything: DeepSpeed/FSDP, a mis-launched CPU run
         if optimizers is not None and any(o is not None for o in optimizers):
             raise ValueError(
                 "DartESTrainer got `optimizers`, but evolution strategies use no optimizer or scheduler object: the "
@@ -125,7 +127,9 @@ class DartESTrainer(_BaseTrainer):
         if train_dataset is None:
             raise ValueError("train_dataset is required")
         if isinstance(train_dataset, IterableDataset):
-            raise ValueError("DartESTrainer needs a map-style `datasets.Dataset`: problems are revisited by id")
+            raise ValueError(
+                "DartESTrainer needs a map-style `datasets.Dataset`: problems are revisited by id"
+            )
         if "prompt" not in train_dataset.column_names:
             raise ValueError(
                 f"train_dataset has no 'prompt' column (columns: {train_dataset.column_names}); "
@@ -162,11 +166,20 @@ class DartESTrainer(_BaseTrainer):
 
         # Problems need stable ids: the difficulty state follows them across the whole run.
         self._train_rows = train_dataset
-        ids = [str(i) for i in (train_dataset[ID_COLUMN] if ID_COLUMN in train_dataset.column_names else range(len(train_dataset)))]
+        ids = [
+            str(i)
+            for i in (
+                train_dataset[ID_COLUMN]
+                if ID_COLUMN in train_dataset.column_names
+                else range(len(train_dataset))
+            )
+        ]
         self._index_of = {}
         for i, pid in enumerate(ids):
             if pid in self._index_of:
-                raise ValueError(f"train_dataset has a duplicate id {pid!r} (rows {self._index_of[pid]} and {i})")
+                raise ValueError(
+                    f"train_dataset has a duplicate id {pid!r} (rows {self._index_of[pid]} and {i})"
+                )
             self._index_of[pid] = i
         if args.per_device_train_batch_size > len(ids):
             raise ValueError(
@@ -229,7 +242,10 @@ class DartESTrainer(_BaseTrainer):
             from ..lowrank import LowRankParameters
 
             self.es_params = LowRankParameters(
-                self.model, args.sigma, rank=args.perturbation_rank, exact_restore=args.exact_restore,
+                self.model,
+                args.sigma,
+                rank=args.perturbation_rank,
+                exact_restore=args.exact_restore,
                 cache_noise=self._use_noise_cache(),
             )
         else:
@@ -281,6 +297,9 @@ class DartESTrainer(_BaseTrainer):
             self.optimizer.step = lambda *a, **k: None  # the ES update happens in training_step
         return self.optimizer
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # ES computes no gradients: no `grad_norm` in the logs
+
     def get_train_dataloader(self) -> DataLoader:
         # One item per ES step of an epoch; the batch itself is planned by the strategy (fresh + replay), so the
         # loader is not sharded: every process plans the same batch.
@@ -330,7 +349,9 @@ class DartESTrainer(_BaseTrainer):
         local_rewards = self._score(columns, gens, len(local)).reshape(len(self.scorer), len(local), -1)
         t_reward = time.perf_counter()
 
-        rewards, tokens = self._gather_rewards(local, local_rewards, [g.num_tokens for g in gens], len(members))
+        rewards, tokens = self._gather_rewards(
+            local, local_rewards, [g.num_tokens for g in gens], len(members)
+        )
         t_gather = time.perf_counter()
         result = self.strategy.tell(batch, rewards)
         lr = self._get_learning_rate()
@@ -343,8 +364,17 @@ class DartESTrainer(_BaseTrainer):
 
         self._step_flops = 2 * self.es_params.num_parameters * tokens
         gen_time = t_gen - t_ask
-        self._record_step_metrics(result, rewards, tokens, len(members), gen_time, t_reward - t_gen,
-                                  (t_ask - t_start) + (t_end - t_gather), update_norm, lr)
+        self._record_step_metrics(
+            result,
+            rewards,
+            tokens,
+            len(members),
+            gen_time,
+            t_reward - t_gen,
+            (t_ask - t_start) + (t_end - t_gather),
+            update_norm,
+            lr,
+        )
         if args.log_completions and self.accelerator.is_main_process and gens:
             primary = local_rewards[args.primary_reward_index, 0]
             self._last_samples = list(zip(columns["prompt"], gens[0].texts, primary.tolist(), strict=True))
@@ -353,19 +383,45 @@ class DartESTrainer(_BaseTrainer):
         return torch.tensor(-mean_primary if math.isfinite(mean_primary) else 0.0, device=args.device)
 
     def _gather_rewards(self, local, local_rewards, local_tokens, n):
-        """Assemble the K×N×B reward matrix; only rewards (and token counts) cross processes."""
+        """Assemble the K×N×B reward matrix; only rewards (and token counts) cross processes.
+
+        Waits at most `args.ddp_timeout` seconds: a crashed, killed or stuck process makes the others stop with a
+        RuntimeError that names the step and the missing rank, not hang. Every process also sends a fingerprint
+        of the step's batch and population, so processes that drifted apart (different seed or data) stop too.
+        """
         if self.accelerator.num_processes == 1:
             return local_rewards, int(sum(local_tokens))
-        parts = gather_object([(n_, local_rewards[:, i], local_tokens[i]) for i, n_ in enumerate(local)])
+        step = self.state.global_step + 1
+        batch, members = self.strategy.ask()  # the pending step: asking again returns the same
+        fingerprint = (tuple(batch.ids), tuple((m.seed, m.sign) for m in members))
+        rows = [(n_, local_rewards[:, i], local_tokens[i]) for i, n_ in enumerate(local)]
+        parts = gather_object_with_timeout(
+            (fingerprint, rows), timeout=self.args.ddp_timeout, what=f"DART-ES step {step} (reward gather)"
+        )
         k, _, b = local_rewards.shape
         rewards = np.full((k, n, b), np.nan)
         tokens = 0
-        for n_, r, t in parts:
-            rewards[:, n_] = r
-            tokens += t
+        seen = []
+        for rank, (their_fingerprint, their_rows) in enumerate(parts):
+            if their_fingerprint != fingerprint:
+                raise RuntimeError(
+                    f"DART-ES step {step}: process {rank} planned a different batch or population than process "
+                    f"{self.accelerator.process_index}. Every process must run the same code, config (seed) and "
+                    "train data in the same order."
+                )
+            for n_, r, t in their_rows:
+                rewards[:, n_] = r
+                tokens += t
+                seen.append(n_)
+        if sorted(seen) != list(range(n)):
+            raise RuntimeError(
+                f"DART-ES step {step}: gathered members {sorted(seen)}, expected 0..{n - 1} once each"
+            )
         return rewards, tokens
 
-    def _record_step_metrics(self, result, rewards, tokens, n, gen_time, reward_time, es_time, update_norm, lr):
+    def _record_step_metrics(
+        self, result, rewards, tokens, n, gen_time, reward_time, es_time, update_norm, lr
+    ):
         m = self._metrics
         total = np.nansum(rewards * self.reward_weights[:, None, None], axis=0)  # N×B, GRPO's "reward"
         per_member = total.mean(axis=1)
@@ -399,7 +455,9 @@ class DartESTrainer(_BaseTrainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------ evaluation
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Greedy evaluation of the unperturbed model: reward, per-reward means, and accuracy."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -423,7 +481,9 @@ class DartESTrainer(_BaseTrainer):
         size = self.args.per_device_eval_batch_size
         local = []
         starts = range(0, len(rows), size)
-        for start in tqdm(starts, desc="Evaluating", disable=self.args.disable_tqdm or not self.is_world_process_zero()):
+        for start in tqdm(
+            starts, desc="Evaluating", disable=self.args.disable_tqdm or not self.is_world_process_zero()
+        ):
             columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
             gen = self.rollout.generate(columns["prompt"])
             local.append((self._score(columns, [gen], 1), gen.num_tokens))
@@ -455,7 +515,9 @@ class DartESTrainer(_BaseTrainer):
             json.dump(self.strategy.state_dict(), f)
         master = self.es_params.master_state_dict() if hasattr(self.es_params, "master_state_dict") else None
         if master:  # fp32 master weights of a 16-bit model: the saved model alone would lose precision
-            save_file({k: v.contiguous() for k, v in master.items()}, os.path.join(output_dir, MASTER_WEIGHTS_NAME))
+            save_file(
+                {k: v.contiguous() for k, v in master.items()}, os.path.join(output_dir, MASTER_WEIGHTS_NAME)
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -479,7 +541,9 @@ class DartESTrainer(_BaseTrainer):
             self.es_params.restore()
         super().save_model(output_dir, _internal_call)
         if not _internal_call and self.is_world_process_zero():
-            self.create_model_card(model_name=os.path.basename(os.path.normpath(output_dir or self.args.output_dir)))
+            self.create_model_card(
+                model_name=os.path.basename(os.path.normpath(output_dir or self.args.output_dir))
+            )
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
@@ -487,14 +551,32 @@ class DartESTrainer(_BaseTrainer):
             return
         a = self.args
         keys = [
-            "population_size", "sigma", "learning_rate", "per_device_train_batch_size", "seed",
-            "perturbation", "use_difficulty_reweighting", "use_targeted_replay", "replay_ratio",
-            "difficulty_ema_decay", "difficulty_weight_floor", "difficulty_weight_exponent",
-            "replay_pass_threshold", "max_replays_per_epoch", "replay_cooldown", "zero_pass_patience",
-            "fitness_shaping", "max_completion_length", "temperature",
+            "population_size",
+            "sigma",
+            "learning_rate",
+            "per_device_train_batch_size",
+            "seed",
+            "perturbation",
+            "use_difficulty_reweighting",
+            "use_targeted_replay",
+            "replay_ratio",
+            "difficulty_ema_decay",
+            "difficulty_weight_floor",
+            "difficulty_weight_exponent",
+            "replay_pass_threshold",
+            "max_replays_per_epoch",
+            "replay_cooldown",
+            "zero_pass_patience",
+            "fitness_shaping",
+            "max_completion_length",
+            "temperature",
         ]
         lines = ["", "## DART-ES hyperparameters", "", "| name | value |", "| --- | --- |"]
         lines += [f"| `{k}` | {getattr(a, k)} |" for k in keys]
-        lines += ["", f"Reward functions: {', '.join(self.reward_func_names)} (weights {self.reward_weights.tolist()}).", ""]
+        lines += [
+            "",
+            f"Reward functions: {', '.join(self.reward_func_names)} (weights {self.reward_weights.tolist()}).",
+            "",
+        ]
         with open(os.path.join(a.output_dir, "README.md"), "a") as f:
             f.write("\n".join(lines))

@@ -1,0 +1,50 @@
+"""The GSM8K recipe runs end to end from a YAML config (TrlParser), on a tiny model saved to disk."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
+    model_dir = tmp_path / "tiny"
+    tiny_lm.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "out"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "\n".join(
+            [
+                f"model_name_or_path: {model_dir}",
+                "dataset_name: embedded:gsm8k",
+                "dataset_train_split: validation",  # 128 rows: the smallest offline split
+                "dataset_test_split: test",
+                f"output_dir: {out}",
+                "use_cpu: true",
+                "population_size: 2",
+                "per_device_train_batch_size: 4",
+                "per_device_eval_batch_size: 64",
+                "max_steps: 1",
+                "max_completion_length: 4",
+                "sigma: 0.01",
+                "learning_rate: 0.01",
+                "reward_weights: [1.0, 0.1]",
+                "report_to: none",
+                "disable_tqdm: true",
+            ]
+        )
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "dart_es_gsm8k.py"), "--config", str(config), "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out metric" in proc.stdout and "eval_accuracy" in proc.stdout
+    assert (out / "model.safetensors").exists() and (out / "README.md").exists()
+    assert "dart-es" in (out / "README.md").read_text()
