@@ -161,6 +161,7 @@ def test_one_step_moves_weights_and_logs_metrics(tmp_path, tiny_lm, tokenizer, c
     ]:
         assert key in logs, key
     assert logs["update_norm"] > 0
+    assert 0 < logs["time/perturb"] <= logs["time/es"]  # applying members is ES bookkeeping, not generation
     assert "grad_norm" not in logs  # ES has no gradients; Trainer's gradient norm would be a misleading 0
 
 

@@ -24,8 +24,9 @@ import torch.distributed as dist
 __all__ = ["GatherError", "check_distributed_setup", "check_not_sharded", "gather_object_with_timeout"]
 
 _KEY_PREFIX = "trl_dart_es/gather"
-_groups: dict[float, Any] = {}
+_groups: dict[tuple[float, int], Any] = {}
 _calls = itertools.count()
+_last_mark: str | None = None  # this rank's arrival mark of its last successful gather
 
 
 class GatherError(RuntimeError):
@@ -39,9 +40,10 @@ def _is_multi_process() -> bool:
 def _group(timeout: float):
     # A gloo group of all ranks with our timeout. Creating it is itself a collective: every rank reaches the
     # first gather at the same point, so every rank creates it there.
-    if timeout not in _groups:
-        _groups[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    return _groups[timeout]
+    key = (timeout, id(dist.group.WORLD))  # a new default group (re-initialised) needs a new group too
+    if key not in _groups:
+        _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    return _groups[key]
 
 
 def _store():
@@ -60,6 +62,7 @@ def gather_object_with_timeout(obj: Any, *, timeout: float, what: str = "gather"
         GatherError: a peer did not arrive within `timeout` seconds, or its connection closed (it crashed or
             was killed). The message starts with `what` and names the ranks that never reached the gather.
     """
+    global _last_mark
     if not _is_multi_process():
         return [obj]
     if not timeout > 0:
@@ -91,11 +94,15 @@ def gather_object_with_timeout(obj: Any, *, timeout: float, what: str = "gather"
             f"{what}: gathering from {world} processes failed on rank {rank} after {waited:.1f} s "
             f"(timeout {timeout:g} s, `ddp_timeout`); {who}. Cause: {type(err).__name__}: {err}"
         ) from err
-    if store is not None:  # everyone arrived; no one will read this mark again
-        try:
-            store.delete_key(arrived_key.format(rank))
-        except Exception:
-            pass
+    if store is not None:
+        # Everyone arrived here, so everyone is done with the previous gather: its mark will not be read again.
+        # (This gather's mark stays until the next one: a peer may still be failing inside this one.)
+        if _last_mark is not None:
+            try:
+                store.delete_key(_last_mark)
+            except Exception:
+                pass
+        _last_mark = arrived_key.format(rank)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ class TransformersRollout:
         self.chat_template_kwargs = chat_template_kwargs
         self.sampling_seed = sampling_seed
         self.eos_token_ids = set(generation_config.eos_token_id or [])
+        self.last_perturb_time = 0.0
 
     def _encode(self, prompts: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
         texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
@@ -102,10 +104,15 @@ class TransformersRollout:
     def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
         chunks = self._encode(prompts)  # the prompts are the same for every member: tokenize once
         out = []
+        self.last_perturb_time = 0.0  # ES bookkeeping inside the population loop, logged as time/perturb
         try:
             for member in members:
+                t0 = time.perf_counter()
                 self.params.perturb(member)  # straight from member n to n+1: no restore in between
+                self.last_perturb_time += time.perf_counter() - t0
                 out.append(self._generate_encoded(chunks, seed=member.seed))
         finally:
+            t0 = time.perf_counter()
             self.params.restore()
+            self.last_perturb_time += time.perf_counter() - t0
         return out

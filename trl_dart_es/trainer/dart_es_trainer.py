@@ -363,7 +363,9 @@ class DartESTrainer(_BaseTrainer):
         t_end = time.perf_counter()
 
         self._step_flops = 2 * self.es_params.num_parameters * tokens
-        gen_time = t_gen - t_ask
+        # Applying members (perturb/restore, or pushing weights to an engine) is ES bookkeeping, not generation.
+        perturb_time = float(getattr(self.rollout, "last_perturb_time", 0.0))
+        gen_time = t_gen - t_ask - perturb_time
         self._record_step_metrics(
             result,
             rewards,
@@ -371,10 +373,11 @@ class DartESTrainer(_BaseTrainer):
             len(members),
             gen_time,
             t_reward - t_gen,
-            (t_ask - t_start) + (t_end - t_gather),
+            (t_ask - t_start) + (t_end - t_gather) + perturb_time,
             update_norm,
             lr,
         )
+        self._metrics["time/perturb"].append(perturb_time)
         if args.log_completions and self.accelerator.is_main_process and gens:
             primary = local_rewards[args.primary_reward_index, 0]
             self._last_samples = list(zip(columns["prompt"], gens[0].texts, primary.tolist(), strict=True))
