@@ -1,14 +1,15 @@
-"""How hard is the synthetic GSM8K task for the embedded model? Pass rates per difficulty level.
+"""How hard is a task (default: synthetic GSM8K) for the embedded model? Pass rates per difficulty level.
 
 Greedy generation with `transformers` (fp32, all prompts in one left-padded batch) on the synthetic test
-split, scored with `gsm8k_accuracy_reward` / `gsm8k_format_reward`. Optionally also a few perturbed copies of
+split, scored with the task's reward functions (`gsm8k_accuracy_reward` / `gsm8k_format_reward` by default). Optionally also a few perturbed copies of
 the model (θ + σ·ε, as an ES population would evaluate them) to tell problems the model always solves from
 those it solves only sometimes ("near the boundary", where DART-ES's replay aims) and those it never solves.
 
     python benchmarks/task_difficulty.py                      # defaults below, ~10 min on 2 shared cores
     python benchmarks/task_difficulty.py --num-prompts 24 --members 0 --no-write   # quick look
 
-Writes docs/benchmarks/task_difficulty.json and docs/benchmarks/task_difficulty.md.
+Writes docs/benchmarks/task_difficulty.json and docs/benchmarks/task_difficulty.md. Tasks without a `level`
+column (Countdown) are reported as one level, 0.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from trl_dart_es.embedded import load_model, load_tokenizer  # noqa: E402
-from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward  # noqa: E402
-from trl_dart_es.tasks import load_task_dataset  # noqa: E402
+from trl_dart_es.tasks import get_task, load_task_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     dataset = load_task_dataset(args.task, "test", num_examples=args.num_prompts, seed=args.seed)
-    levels = dataset["level"]
+    accuracy_reward, format_reward = get_task(args.task).reward_funcs
+    # Reward functions get the dataset columns as keyword arguments, the way TRL's trainers call them.
+    columns = {c: dataset[c] for c in dataset.column_names if c != "prompt"}
+    levels = dataset["level"] if "level" in dataset.column_names else [0] * len(dataset)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model).eval()
     load_avg = os.getloadavg()
@@ -103,8 +106,8 @@ def main() -> None:
         if member:  # exact restore: copy the saved values back
             for name, param in model.named_parameters():
                 param.data.copy_(originals[name])
-        accuracy = gsm8k_accuracy_reward(completions, dataset["answer"])
-        fmt = gsm8k_format_reward(completions)
+        accuracy = accuracy_reward(completions, **columns)
+        fmt = format_reward(completions, **columns)
         runs.append(
             {
                 "member": member,
@@ -147,19 +150,21 @@ def main() -> None:
         ],
         "solved_by_base_and_perturbed": {lvl: dict(v) for lvl, v in sorted(by_level.items())},
         "problems": [
-            {"id": dataset["id"][j], "level": levels[j], "answer": dataset["answer"][j],
+            {"id": dataset["id"][j], "level": levels[j], **{c: columns[c][j] for c in ("answer",) if c in columns},
              "solved_by": [run["member"] for run in runs if run["correct"][j] == 1.0]}
             for j in range(len(dataset))
         ],
+        # GSM8K rows show answer + question; other tasks show their prompt.
         "examples": [
-            {"id": dataset["id"][j], "level": levels[j], "answer": dataset["answer"][j], "question": dataset["question"][j],
+            {"id": dataset["id"][j], "level": levels[j],
+             **({c: columns[c][j] for c in ("answer", "question")} if "question" in columns else {"prompt": dataset["prompt"][j]}),
              "base_completion": runs[0]["completions"][j], "solved_by": solves[j]}
             for j in range(min(6, len(dataset)))
         ],
     }  # fmt: skip
 
     lines = [
-        "# Synthetic GSM8K difficulty for the embedded model",
+        f"# {args.task} difficulty for {args.model}",
         "",
         f"`{result['command']}`, {result['date']}, {result['machine']}.",
         "",
@@ -170,7 +175,7 @@ def main() -> None:
         "| level | problems | greedy pass rate | full-format rate | always | sometimes | never |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    full_format = per_level(levels, [f == 1.0 for f in gsm8k_format_reward(runs[0]["completions"])])
+    full_format = per_level(levels, [f == 1.0 for f in format_reward(runs[0]["completions"], **columns)])
     for lvl in sorted(by_level):
         c = by_level[lvl]
         lines.append(
