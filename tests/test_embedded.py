@@ -84,7 +84,6 @@ def test_incomplete_cache_folder_is_rebuilt(tmp_path, monkeypatch):
     assert not (stale / "junk").exists()
 
 
-@pytest.mark.slow
 def test_embedded_model_loads_generates_and_saves(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer

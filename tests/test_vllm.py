@@ -113,6 +113,84 @@ def test_engine_weights_refuse_non_lora_peft_methods():
         engine_weights(model)
 
 
+class _FakeLLM:
+    """Stands in for `vllm.LLM`: records the weights pushed into it and "generates" a fingerprint of them."""
+
+    def __init__(self):
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.pushes = 0
+        outer = self
+
+        class Model:
+            def load_weights(self, weights):
+                outer.pushes += 1
+                outer.loaded = {n: t.detach().clone() for n, t in weights}
+
+        self.worker = type("Worker", (), {"model_runner": type("Runner", (), {"model": Model()})()})()
+
+    def collective_rpc(self, fn):
+        return [fn(self.worker)]
+
+    def fingerprint(self) -> int:
+        return (
+            int(sum(t.double().sum().item() * (i + 1) for i, t in enumerate(self.loaded.values())) * 1e6)
+            % 10007
+        )
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        out = type("Completion", (), {"token_ids": [self.fingerprint(), 2]})
+        return [type("RequestOutput", (), {"outputs": [out]}) for _ in prompts]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in `vllm` module, so the rollout's bookkeeping runs without vLLM."""
+    import types
+
+    module = types.ModuleType("vllm")
+    module.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def test_rollout_pushes_each_member_then_the_base_only_when_needed(fake_vllm, tokenizer):
+    from trl_dart_es.rollout.vllm import VLLMRollout, _Engine
+
+    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)
+    params = EvolvedParameters(model, sigma=0.1)
+    llm = _FakeLLM()
+    engine = _Engine(llm, key=("fake",) + (None,) * 5, weight_sync="load_weights", on_cpu=False)
+    rollout = VLLMRollout(model, tokenizer, _generation_config(tokenizer, 4), params, engine)
+    prompts = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "And 2 + 2?"}]]
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    first = rollout.generate(prompts)
+    assert llm.pushes == 1 and all(torch.equal(llm.loaded[n], t) for n, t in base.items())
+    assert rollout.generate(prompts).token_ids == first.token_ids and llm.pushes == 1  # still holds the base
+    assert first.texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in first.token_ids]
+
+    members = [Member(5), Member(5, -1), Member(9)]
+    gens = rollout.generate_population(prompts, members)
+    assert llm.pushes == 1 + len(members)  # one push per member, no restore push in between
+    assert len({g.token_ids[0][0] for g in gens} | {first.token_ids[0][0]}) == 4  # every member differs
+    last = dict(llm.loaded)
+    params.perturb(members[-1])  # the engine holds exactly the HF model perturbed by the last member
+    assert all(torch.equal(last[n], p) for n, p in model.named_parameters())
+    params.restore()
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())  # HF model restored
+
+    assert rollout.generate(prompts).token_ids == first.token_ids and llm.pushes == 2 + len(members)
+    params.update(members, [1.0, -1.0, 0.5], lr=0.01)  # new base weights: the next generate must push them
+    moved = rollout.generate(prompts)
+    assert llm.pushes == 3 + len(members) and moved.token_ids != first.token_ids
+    assert all(torch.equal(llm.loaded[n], p) for n, p in model.named_parameters())
+
+    params.perturb(members[0])
+    with pytest.raises(RuntimeError, match="unperturbed"):
+        rollout.generate(prompts)
+    params.restore()
+
+
 # --------------------------------------------------------------------------------- engine tests
 PROMPT_COUNT = 32
 

@@ -28,7 +28,10 @@ GSM8K_SYSTEM_PROMPT = (
 def format_gsm8k_prompt(question: str, *, conversational: bool = True) -> list[dict[str, str]] | str:
     """The prompt for one question: system + user messages, or one plain string for the standard format."""
     if conversational:
-        return [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question.strip()}]
+        return [
+            {"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+            {"role": "user", "content": question.strip()},
+        ]
     return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question.strip()}\nAnswer:"
 
 
