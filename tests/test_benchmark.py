@@ -39,10 +39,11 @@ def test_micro_batch_divides_the_rollouts(total, preferred, expected):
 
 def test_method_registry():
     assert set(bench.DEFAULT_METHODS) == {"dart-es", "es", "grpo", "grpo-lora"}
-    for optional in ("dart-es-vllm", "dart-es-lowrank"):
+    for optional in ("dart-es-vllm", "dart-es-lowrank", "dart-es-lowmem"):
         assert optional in bench.METHODS and optional not in bench.DEFAULT_METHODS
     assert bench.METHODS["dart-es-vllm"].overrides["use_vllm"] is True
     assert bench.METHODS["dart-es-lowrank"].overrides["perturbation"] == "lowrank"
+    assert bench.METHODS["dart-es-lowmem"].overrides["noise_cache"] == "off"
     # Plain ES is the DART-ES config with the two switches off, nothing else.
     dart, es = bench.METHODS["dart-es"], bench.METHODS["es"]
     assert dart.configs == es.configs and dart.kind == es.kind == "es"
@@ -159,7 +160,14 @@ def test_grpo_configs_match_the_es_workload_and_parse():
     es = yaml.safe_load((CONFIGS / "es_quickstart.yaml").read_text())
     for name, lora in (("grpo_quickstart.yaml", False), ("grpo_lora_quickstart.yaml", True)):
         raw = yaml.safe_load((CONFIGS / name).read_text())
-        for key in ("model_name_or_path", "dtype", "dataset_name", "max_completion_length", "seed"):
+        for key in (
+            "model_name_or_path",
+            "dtype",
+            "dataset_name",
+            "max_completion_length",
+            "seed",
+            "reward_weights",
+        ):
             assert raw[key] == es[key], (name, key)
         # Same rollouts per optimizer step as ES: N x B completions.
         rollouts = raw["per_device_train_batch_size"] * raw["gradient_accumulation_steps"]
@@ -178,6 +186,8 @@ def test_workload_options_override_the_short_default():
     workload = bench.workload_from_args(args)
     assert (workload.steps, workload.prompts, workload.model) == (5, 4, "m")
     assert workload.rollouts_per_step == 4 * bench.SHORT.population
+    es = yaml.safe_load((CONFIGS / "es_quickstart.yaml").read_text())
+    assert workload.max_completion_length == es["max_completion_length"]  # from the ES recipe config
     full = bench.workload_from_args(bench._parser().parse_args(["--full"]))
     assert full.steps > bench.SHORT.steps and full.eval_prompts > bench.SHORT.eval_prompts
 

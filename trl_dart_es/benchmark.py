@@ -137,6 +137,15 @@ METHODS: dict[str, BenchMethod] = {
             {**_DART_ON, "perturbation": "lowrank"},
             default=False,
         ),
+        # The noise cache (N x parameters x 4 bytes) trades memory for not drawing the noise twice per step.
+        BenchMethod(
+            "dart-es-lowmem",
+            "es",
+            "DART-ES without the noise cache",
+            _ES_CONFIGS,
+            {**_DART_ON, "noise_cache": "off"},
+            default=False,
+        ),
     ]
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(name for name, m in METHODS.items() if m.default)
@@ -152,8 +161,8 @@ class Workload:
     train_split: str = "train"
     test_split: str = "test"
     population: int = 8  # N for ES = num_generations for GRPO
-    prompts: int = 8  # B for ES = prompts per step for GRPO
-    max_completion_length: int = 64
+    prompts: int = 4  # B for ES = prompts per step for GRPO
+    max_completion_length: int | None = None  # None: the DART-ES config's (quickstart.yaml), else 64
     steps: int = 3
     warmup_steps: int = 1
     eval_prompts: int = 32
@@ -168,6 +177,20 @@ class Workload:
     def rollouts_per_step(self) -> int:
         return self.population * self.prompts
 
+    def resolved(self) -> Workload:
+        """This workload with every default that depends on the recipe configs filled in."""
+        if self.max_completion_length is not None:
+            return self
+        length = 64
+        for name in _ES_CONFIGS:
+            path = Path(self.config_dir) / name
+            if path.is_file():
+                import yaml
+
+                length = (yaml.safe_load(path.read_text()) or {}).get("max_completion_length", length)
+                break
+        return replace(self, max_completion_length=int(length))
+
     def comparable(self) -> dict[str, Any]:
         """The fields two rows must share to sit in one table."""
         keys = ("model", "dataset", "population", "prompts", "max_completion_length", "steps", "warmup_steps",
@@ -175,9 +198,11 @@ class Workload:
         return {k: getattr(self, k) for k in keys}
 
 
+# Short: 8 x 4 = 32 rollouts per step, so that all four default methods finish in about 20 minutes on a 2-core
+# CPU (GRPO full-parameter needs minutes per step there).
 SHORT = Workload()
-# Longer: 16 problems per step (as quickstart.yaml), more steps, a 4x larger held-out set.
-FULL = replace(SHORT, prompts=16, steps=8, warmup_steps=2, eval_prompts=128)
+# Longer: the quickstart's 8 x 16 = 128 rollouts per step, more steps, a 4x larger held-out set.
+FULL = replace(SHORT, prompts=16, steps=6, warmup_steps=1, eval_prompts=128)
 
 
 # ------------------------------------------------------------------------------------- data and rewards
@@ -657,7 +682,7 @@ def _spawn(name: str, workload: Workload, work_dir: Path, bar=None) -> tuple[dic
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "trl_dart_es.benchmark", "--child", str(spec_path)]
     started = time.monotonic()
-    peak, timed_out = 0, False
+    peak, timed_out, shown = 0, False, ""
     with open(log_path, "w") as log:
         # Its own session, so that a timeout can stop the child and its workers (and nothing else).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -666,7 +691,10 @@ def _spawn(name: str, workload: Workload, work_dir: Path, bar=None) -> tuple[dic
                 peak = max(peak, _tree_rss(proc.pid))
                 if bar is not None:
                     with contextlib.suppress(OSError):
-                        bar.set_postfix_str(progress_path.read_text().strip(), refresh=True)
+                        text = progress_path.read_text().strip()
+                        if text != shown:  # redraw only on change: logs of the bar stay short
+                            bar.set_postfix_str(text, refresh=True)
+                            shown = text
                 if time.monotonic() - started > workload.timeout_s:
                     timed_out = True
                     _stop(proc)
@@ -766,6 +794,7 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {sorted(METHODS)}")
     work_dir = Path(work_dir)
+    workload = workload.resolved()
     context = {
         "machine": machine_description(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -986,7 +1015,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         "eval_prompts": args.eval_prompts, "eval_batch_size": args.eval_batch_size, "seed": args.seed,
         "dtype": args.dtype, "device": args.device, "config_dir": args.config_dir, "timeout_s": args.timeout,
     }  # fmt: skip
-    workload = replace(workload, **{k: v for k, v in options.items() if v is not None})
+    workload = replace(workload, **{k: v for k, v in options.items() if v is not None}).resolved()
     if workload.steps < 1 or workload.warmup_steps < 0:
         raise SystemExit("--steps must be >= 1 and --warmup-steps >= 0")
     if workload.steps <= workload.warmup_steps:

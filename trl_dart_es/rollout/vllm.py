@@ -285,7 +285,8 @@ def start_engine(
     if tmp is None:
         key_path = path
     else:  # a temporary copy: the same architecture can reuse an engine
-        key_path = ("config", model.config.to_json_string(use_diff=False))
+        base = model.get_base_model() if _is_peft_model(model) else model
+        key_path = ("config", base.config.to_json_string(use_diff=False))
     key = (key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space)
     if _ENGINE is not None and _ENGINE.key == key:
         if tmp is not None:
