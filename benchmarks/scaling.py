@@ -130,7 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(processes: int, threads: int, config: str, steps: int, out: Path) -> tuple[list[str], float]:
+def _launch(processes: int, threads: int, config: str, steps: int, out: Path) -> tuple[float, list[float]]:
     me = [
         str(Path(__file__).resolve()),
         "--worker",
@@ -155,15 +155,17 @@ def _launch(processes: int, threads: int, config: str, steps: int, out: Path) ->
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    load = [os.getloadavg()[0]]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    load.append(os.getloadavg()[0])
     if proc.returncode != 0:
         sys.exit(f"run with {processes} process(es) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return cmd, wall
+    return wall, load
 
 
-def _summary(records: list[dict], wall: float, processes: int, threads: int) -> dict:
+def _summary(records: list[dict], wall: float, load: list[float], processes: int, threads: int) -> dict:
     steps = [max(r["step_s"][i] for r in records) for i in range(len(records[0]["step_s"]))]
     later = steps[1:] or steps
     r0 = records[0]
@@ -190,6 +192,7 @@ def _summary(records: list[dict], wall: float, processes: int, threads: int) -> 
         "rewards_per_step": [log.get("reward") for log in logs],
         "weights_sha256": [r["weights_sha256"] for r in records],
         "launch_wall_s": wall,
+        "load_average_start_end": load,
     }
 
 
@@ -206,6 +209,10 @@ def _machine() -> str:
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{cpu}, {os.cpu_count()} cores, {platform.platform()}; torch {torch.__version__}; load average {load:.2f}"
+
+
+def _pair(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
 
 
 def _markdown(result: dict) -> str:
@@ -233,6 +240,8 @@ def _markdown(result: dict) -> str:
         f"| peak RSS per process (GB) | {', '.join(map(str, one['peak_rss_gb_per_process']))} | "
         f"{', '.join(map(str, two['peak_rss_gb_per_process']))} |",
         f"| bytes sent per process per step | 0 | {', '.join(map(str, two['gather_payload_bytes_per_process']))} |",
+        f"| load average (start, end of run) | {_pair(one['load_average_start_end'])} | "
+        f"{_pair(two['load_average_start_end'])} |",
         "",
         f"Speed-up of the later steps: **{result['speedup_later_steps']:.2f}x**. "
         f"Same rewards at every step: {result['same_rewards']}; same final weights: {result['same_weights']}.",
@@ -265,10 +274,10 @@ def main() -> None:
             threads = max(1, cli.threads // processes)
             out = Path(tmp) / f"p{processes}"
             print(f"running {processes} process(es) x {threads} thread(s) ...", flush=True)
-            _, wall = _launch(processes, threads, cli.config, cli.steps, out)
+            wall, load = _launch(processes, threads, cli.config, cli.steps, out)
             records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
             assert all(r["world_size"] == processes for r in records), "wrong number of processes started"
-            runs.append((records, _summary(records, wall, processes, threads)))
+            runs.append((records, _summary(records, wall, load, processes, threads)))
     (one_rec, one), (two_rec, two) = runs
     base = one_rec[0]
     result = {

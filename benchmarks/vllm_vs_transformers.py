@@ -101,7 +101,7 @@ def run_backend(backend: str, settings: dict, steps: int) -> dict:
         max_steps=steps + 1,
         use_cpu=True,
         seed=settings["seed"],
-        model_init_kwargs={"dtype": torch.float32},
+        model_init_kwargs={"dtype": "float32"},
         report_to="none",
         disable_tqdm=True,
         save_strategy="no",
