@@ -7,6 +7,7 @@ that silently started one process cannot pass as two.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,8 +51,23 @@ def _run(
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+    # A session of its own, so that a run that hangs is killed with all its worker processes.
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout} s:\n{log[-3000:]}")
+    return proc.returncode, log, time.monotonic() - start
 
 
 def _result(out: Path, rank: int):

@@ -300,7 +300,6 @@ def _gsm8k_rewards(gens, rows) -> np.ndarray:
     return np.asarray(out, dtype=float)
 
 
-@pytest.mark.slow
 @requires_vllm
 @requires_embedded
 def test_same_member_seed_gives_the_same_completions_and_rewards_on_both_backends(embedded):
