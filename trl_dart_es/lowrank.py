@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .noise import Member, gaussian
-from .perturb import EvolvedParameters
+from .perturb import EvolvedParameters, check_master_names, load_master_into
 
 __all__ = ["LowRankParameters"]
 
@@ -317,21 +317,9 @@ class LowRankParameters:
         """Load fp32 master weights saved by :meth:`master_state_dict` and write them into the model."""
         if not self.exact_restore:
             raise RuntimeError("load_master_state_dict needs exact_restore=True")
-        missing = [n for n in self._names if n not in state]
-        unexpected = [n for n in state if n not in set(self._names)]
-        if missing or unexpected:
-            raise ValueError(
-                f"master weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+        check_master_names(self._names, state)
         self.restore()
-        for name, p, b in zip(self._mat_names, self._mats, self._mat_base, strict=True):
-            src = state[name]
-            if tuple(src.shape) != tuple(b.shape):
-                raise ValueError(
-                    f"master weight {name!r} has shape {tuple(src.shape)}, expected {tuple(b.shape)}"
-                )
-            b.copy_(src)
-            p.data.copy_(b)
+        load_master_into(self._mat_names, self._mats, self._mat_base, state)
         if self._vectors is not None:
             self._vectors.load_master_state_dict({n: state[n] for n in self._vec_names})
         self.clear_cache()

@@ -323,21 +323,9 @@ class EvolvedParameters:
         """Load fp32 master weights saved by :meth:`master_state_dict` and write them into the model."""
         if not self.exact_restore:
             raise RuntimeError("load_master_state_dict needs exact_restore=True")
-        missing = [n for n in self._names if n not in state]
-        unexpected = [n for n in state if n not in set(self._names)]
-        if missing or unexpected:
-            raise ValueError(
-                f"master weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+        check_master_names(self._names, state)
         self.restore()
-        for name, p, b in zip(self._names, self._params, self._base, strict=True):
-            src = state[name]
-            if tuple(src.shape) != tuple(b.shape):
-                raise ValueError(
-                    f"master weight {name!r} has shape {tuple(src.shape)}, expected {tuple(b.shape)}"
-                )
-            b.copy_(src)
-            p.data.copy_(b)
+        load_master_into(self._names, self._params, self._base, state)
         self.clear_cache()
 
     def clear_cache(self, free_memory: bool = False) -> None:
@@ -365,3 +353,30 @@ class EvolvedParameters:
             f"{type(self).__name__}(num_tensors={len(self._params)}, num_parameters={self.num_parameters:,}, "
             f"sigma={self.sigma}, exact_restore={self.exact_restore}, cache_noise={self.cache_noise})"
         )
+
+
+def check_master_names(names: Sequence[str], state: dict[str, torch.Tensor]) -> None:
+    """Raise a ValueError naming what differs between saved master weights and the evolved parameters."""
+    missing = [n for n in names if n not in state]
+    unexpected = [n for n in state if n not in set(names)]
+    if missing or unexpected:
+        raise ValueError(
+            f"master weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+
+
+def load_master_into(
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    bases: Sequence[torch.Tensor],
+    state: dict[str, torch.Tensor],
+) -> None:
+    """Copy saved fp32 masters into `bases` and write them into the parameters (shapes checked by name)."""
+    for name, p, b in zip(names, params, bases, strict=True):
+        src = state[name]
+        if tuple(src.shape) != tuple(b.shape):
+            raise ValueError(
+                f"master weight {name!r} has shape {tuple(src.shape)}, expected {tuple(b.shape)}"
+            )
+        b.copy_(src)
+        p.data.copy_(b)
