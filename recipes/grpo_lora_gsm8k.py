@@ -4,59 +4,23 @@ rewards, data, model and held-out evaluation as recipes/dart_es_gsm8k.py (see do
     python recipes/grpo_lora_gsm8k.py --config recipes/configs/grpo_lora_quickstart.yaml
 
 LoRA is always on here (`use_peft`); `lora_r`, `lora_alpha`, `lora_target_modules` come from the config.
+Everything else is recipes/grpo_gsm8k.py.
 """
 
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+import os
+import sys
 
-from trl_dart_es.benchmark import evaluate_greedy
-from trl_dart_es.embedded import resolve_model_path
-from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
-from trl_dart_es.tasks import load_task_dataset
+from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grpo_gsm8k import main as grpo_main  # noqa: E402
 
 
 def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
-    train_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_train_split)
-    eval_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_test_split)
-    reward_funcs = [gsm8k_accuracy_reward, gsm8k_format_reward]
-
     model_args.use_peft = True
     if model_args.lora_target_modules is None:  # every linear layer, the usual GRPO+LoRA set-up
         model_args.lora_target_modules = "all-linear"
-    training_args.model_init_kwargs = {
-        "dtype": model_args.dtype or "float32",
-        **(training_args.model_init_kwargs or {}),
-    }
-    trainer = GRPOTrainer(
-        model=resolve_model_path(model_args.model_name_or_path),
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        peft_config=get_peft_config(model_args),
-    )
-
-    def evaluate() -> dict[str, float]:
-        return evaluate_greedy(
-            trainer.accelerator.unwrap_model(trainer.model),
-            trainer.processing_class,
-            eval_dataset,
-            reward_funcs,
-            max_completion_length=training_args.max_completion_length,
-            batch_size=training_args.per_device_eval_batch_size,
-            reward_weights=training_args.reward_weights,
-        )
-
-    before = evaluate()
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = evaluate()
-
-    trainer.save_model(training_args.output_dir)  # the adapter only
-    if trainer.is_world_process_zero():
-        print(f"\n{'held-out metric':<32} {'before':>8} {'after':>8}")
-        for key in before:
-            print(f"{key:<32} {before[key]:>8.3f} {after[key]:>8.3f}")
-        print(f"\nAdapter saved to {training_args.output_dir}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    grpo_main(script_args, training_args, model_args)
 
 
 if __name__ == "__main__":
