@@ -59,6 +59,38 @@ def timed(fn):
     return out, time.perf_counter() - start, time.process_time() - cpu
 
 
+def render_markdown(r: dict) -> str:
+    """The Markdown report of one result (also: ``--render-only`` re-renders the saved JSON)."""
+    m, s, fr = r["machine"], r["shape"], r["fullrank_per_member"]
+    a, b = r["plain_batched"], r["lowrank_population"]
+    n, rows, t, k = s["population_size"], s["rows"], s["max_new_tokens"], s["full_rank_members_measured"]
+    load = m["load_average_before_after"]
+    return f"""# Low-rank population batching: throughput
+
+Measured {r["date"]} by `benchmarks/lowrank_throughput.py` on this machine: {m["cpu_count"]} CPU cores,
+torch {m["torch"]} with {m["torch_threads"]} threads. 1-minute load average {load[0]:.2f} before and
+{load[3]:.2f} after: other jobs may have shared the cores; CPU seconds are less sensitive to that.
+
+Model: {r["model"]}. Shape: N = {n} members x B = {s["prompts_per_step"]} GSM8K-style prompts (mean prompt
+length {s["mean_prompt_tokens"]:.0f} tokens) = {rows} rows, {t} new tokens per row, greedy, rank r = {s["rank"]},
+sigma = {s["sigma"]}. EOS is suppressed, so every mode decodes the same number of tokens. Times include the
+prompt prefill, as an ES step does.
+
+| mode | generate calls | wall s | CPU s | generated tokens | tokens/s (wall) |
+| --- | --- | --- | --- | --- | --- |
+| (a) plain batched inference, unperturbed, {rows} rows | 1 | {a["seconds"]:.1f} | {a["cpu_seconds"]:.1f} | {a["tokens"]} | {a["tokens_per_s"]:.1f} |
+| (b) low-rank population (ES step), {rows} rows | 1 | {b["seconds"]:.1f} | {b["cpu_seconds"]:.1f} | {b["tokens"]} | {b["tokens_per_s"]:.1f} |
+| (c) full rank: perturb + generate per member, {s["prompts_per_step"]} rows each | {k} (of {n}) | {fr["seconds"]:.1f} | {fr["cpu_seconds"]:.1f} | {fr["tokens"]} | {fr["tokens_per_s"]:.1f} |
+
+- **(b)/(a) = {r["lowrank_over_plain"]:.1%}** of plain batched inference throughput in wall time
+  ({r["lowrank_over_plain_cpu_time"]:.1%} in CPU time). Goal: at least 80%; EGGROLL reports ~91% on GPUs.
+- (b)/(c) = {r["lowrank_over_fullrank"]:.2f}x the full-rank throughput. Full rank would need about
+  {fr["projected_seconds_for_population"]:.0f} s for the whole population ({fr["seconds_per_member"]:.1f} s per member,
+  perturbation included), against {b["seconds"]:.0f} s batched.
+- Low-rank update for the N = {n} members (one matmul per matrix into the fp32 master): {r["lowrank_update_seconds"]:.2f} s.
+"""
+
+
 def main() -> None:
     shape = quickstart_shape()
     parser = argparse.ArgumentParser(
@@ -72,7 +104,13 @@ def main() -> None:
     parser.add_argument("--full-rank-members", type=int, default=2)
     parser.add_argument("--output-dir", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
+    parser.add_argument("--render-only", action="store_true", help="re-render the .md from the saved .json")
     args = parser.parse_args()
+    if args.render_only:
+        out = Path(args.output_dir)
+        result = json.loads((out / "lowrank_throughput.json").read_text())
+        (out / "lowrank_throughput.md").write_text(render_markdown(result))
+        return
     n, b, t = args.population_size, args.batch_size, args.max_new_tokens
     k = min(args.full_rank_members, n)
     torch.manual_seed(0)
@@ -165,33 +203,7 @@ def main() -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lowrank_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-    s = result["shape"]
-    fr = result["fullrank_per_member"]
-    md = f"""# Low-rank population batching: throughput
-
-Measured {result["date"]} by `benchmarks/lowrank_throughput.py` on this machine ({result["machine"]["cpu_count"]} CPU
-cores, torch {result["machine"]["torch"]}, {result["machine"]["torch_threads"]} threads; load average before/after
-{load_before[0]:.2f} / {os.getloadavg()[0]:.2f} (1-min): other jobs may have shared the cores).
-
-Model: {result["model"]}. Shape: N = {n} members x B = {b} GSM8K-style prompts (mean prompt length
-{s["mean_prompt_tokens"]:.0f} tokens) = {n * b} rows, {t} new tokens per row (EOS suppressed, so every mode
-decodes the same number of tokens), greedy, rank r = {args.rank}, sigma = {args.sigma}.
-
-| mode | generate calls | wall s | CPU s | generated tokens | tokens/s (wall) |
-| --- | --- | --- | --- | --- | --- |
-| (a) plain batched inference, unperturbed, {n * b} rows | 1 | {t_plain:.1f} | {c_plain:.1f} | {tokens_plain} | {tokens_plain / t_plain:.1f} |
-| (b) low-rank population (ES step), {n * b} rows | 1 | {t_pop:.1f} | {c_pop:.1f} | {tokens_pop} | {tokens_pop / t_pop:.1f} |
-| (c) full-rank, perturb + generate per member, {b} rows | {k} (of {n}) | {t_full:.1f} | {c_full:.1f} | {tokens_full} | {tokens_full / t_full:.1f} |
-
-- **(b)/(a) = {result["lowrank_over_plain"]:.1%}** of plain batched inference throughput in wall time
-  ({result["lowrank_over_plain_cpu_time"]:.1%} in process CPU time); goal >= 80%, EGGROLL reports ~91% on GPUs.
-  Wall times include the prompt prefill ({n * b} x ~{s["mean_prompt_tokens"]:.0f} tokens), as an ES step does.
-- (b)/(c) = {result["lowrank_over_fullrank"]:.2f}x the full-rank throughput. Full rank would need
-  ~{fr["projected_seconds_for_population"]:.0f} s for the whole population ({fr["seconds_per_member"]:.1f} s per
-  member, perturbation included) against {t_pop:.0f} s batched.
-- Low-rank update for the N = {n} members (one matmul per matrix, fp32 master): {t_update_lr:.2f} s.
-"""
-    (out / "lowrank_throughput.md").write_text(md)
+    (out / "lowrank_throughput.md").write_text(render_markdown(result))
     print(f"wrote {out / 'lowrank_throughput.json'} and .md")
 
 

@@ -185,7 +185,7 @@ def _summary(records: list[dict], wall: float, load: list[float], processes: int
         "later_steps_mean_s": statistics.fmean(later),
         "generation_s": mean_of("time/generation"),
         "es_s": mean_of("time/es"),
-        "tokens_per_s_per_process": mean_of("tokens_per_s"),
+        "tokens_per_s_all_processes": mean_of("tokens_per_s"),
         "peak_rss_gb_per_process": [round(r["peak_rss_gb"], 2) for r in records],
         "gather_payload_bytes_per_process": [r["gather_payload_bytes"] for r in records],
         "reward_payload_bytes_per_process": [r["reward_payload_bytes"] for r in records],
@@ -236,7 +236,8 @@ def _markdown(result: dict) -> str:
         f"| later steps, mean (s) | {one['later_steps_mean_s']:.1f} | {two['later_steps_mean_s']:.1f} |",
         f"| of which generation (s, rank 0) | {one['generation_s']:.1f} | {two['generation_s']:.1f} |",
         f"| of which ES bookkeeping (s, rank 0) | {one['es_s']:.1f} | {two['es_s']:.1f} |",
-        f"| tokens/s per process | {one['tokens_per_s_per_process']:.0f} | {two['tokens_per_s_per_process']:.0f} |",
+        f"| generated tokens/s, all processes | {one['tokens_per_s_all_processes']:.0f} | "
+        f"{two['tokens_per_s_all_processes']:.0f} |",
         f"| peak RSS per process (GB) | {', '.join(map(str, one['peak_rss_gb_per_process']))} | "
         f"{', '.join(map(str, two['peak_rss_gb_per_process']))} |",
         f"| bytes sent per process per step | 0 | {', '.join(map(str, two['gather_payload_bytes_per_process']))} |",
@@ -261,11 +262,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores to use in all")
     p.add_argument("--output", default="docs/benchmarks/scaling", help="writes OUTPUT.json and OUTPUT.md")
+    p.add_argument("--markdown-only", action="store_true", help="rewrite OUTPUT.md from OUTPUT.json, no runs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     cli = p.parse_args()
     if cli.worker:
         worker(cli.config, cli.steps, Path(cli.out))
+        return
+    if cli.markdown_only:
+        out = REPO / cli.output
+        out.with_suffix(".md").write_text(_markdown(json.loads(out.with_suffix(".json").read_text())))
         return
 
     runs = []

@@ -79,7 +79,6 @@ def _cpu_seconds() -> float:
 
 def run_backend(backend: str, settings: dict, steps: int) -> dict:
     """Warm-up + `steps` DART-ES steps on one backend, in this process; returns the measurements."""
-    import torch
 
     from trl_dart_es import DartESConfig, DartESTrainer
     from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
