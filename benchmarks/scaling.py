@@ -197,16 +197,11 @@ def _summary(records: list[dict], wall: float, load: list[float], processes: int
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
+    from trl_dart_es.benchmark import cpu_model
+
+    cpu = cpu_model()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{cpu}, {os.cpu_count()} cores, {platform.platform()}; torch {torch.__version__}; load average {load:.2f}"
 

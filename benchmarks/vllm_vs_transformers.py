@@ -190,17 +190,12 @@ def quickstart_settings() -> dict:
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import psutil
     import torch
 
+    from trl_dart_es.benchmark import cpu_model
+
+    cpu = cpu_model()
     try:
         import vllm
 

@@ -30,6 +30,49 @@ def make_tiny_llama(
     return LlamaForCausalLM(cfg).to(dtype)
 
 
+# ------------------------------------------------------------------------ toy data, rewards and config
+def toy_dataset(n: int = 8, conversational: bool = True):
+    """`n` addition questions in TRL's prompt format, with an `answer` and a stable `id` column."""
+    from datasets import Dataset
+
+    questions = [f"What is {i} + {i + 1}?" for i in range(n)]
+    prompts = [[{"role": "user", "content": q}] for q in questions] if conversational else questions
+    return Dataset.from_dict(
+        {"prompt": prompts, "answer": [str(2 * i + 1) for i in range(n)], "id": [f"p{i}" for i in range(n)]}
+    )
+
+
+def length_reward(completions, **kwargs):
+    """Depends on the completion only, so members that generate differently score differently."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(t) / 100.0 for t in texts]
+
+
+def parity_reward(completion_ids, **kwargs):
+    """A primary 0/1 reward: solved when the completion's first token id is even."""
+    return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def tiny_es_config(output_dir, **kw):
+    """A DartESConfig sized for tiny models: 4 members x 4 prompts, 6 tokens, 2 steps, CPU, no reporting."""
+    from trl_dart_es import DartESConfig
+
+    base = dict(
+        output_dir=str(output_dir),
+        population_size=4,
+        per_device_train_batch_size=4,
+        max_completion_length=6,
+        sigma=0.05,
+        learning_rate=0.05,
+        max_steps=2,
+        use_cpu=True,
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+    )
+    return DartESConfig(**{**base, **kw})
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()

@@ -146,9 +146,10 @@ def test_gather_in_one_process_returns_the_object():
 def test_fsdp_launch_is_refused_with_what_to_use_instead(tmp_path, monkeypatch):
     # What `accelerate launch` with an FSDP config sets for the script.
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    args = DartESConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    with pytest.raises(ValueError, match="does not run under FSDP") as err:
-        check_distributed_setup(args)
+    with pytest.raises(
+        ValueError, match="does not run under FSDP"
+    ) as err:  # at construction, the clearest place
+        DartESConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert "multi_gpu.yaml" in str(err.value)
 
 
@@ -187,11 +188,16 @@ def test_plain_setup_is_accepted(tmp_path):
     check_distributed_setup(DartESConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
 
 
+def test_config_refuses_fsdp_fields_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="does not run under FSDP"):
+        DartESConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp="full_shard")
+
+
 def test_trainer_refuses_fsdp_before_loading_the_model(tmp_path, monkeypatch):
     from trl_dart_es import DartESTrainer
 
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     args = DartESConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # set after the config: the trainer checks again
     with pytest.raises(ValueError, match="does not run under FSDP"):  # not an error about the missing model
         DartESTrainer(
             "no/such-model", reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args

@@ -7,46 +7,16 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import length_reward, parity_reward, tiny_es_config, toy_dataset
 from datasets import Dataset
 
 from trl_dart_es import DartESConfig, DartESTrainer
 
-
-def _dataset(n=8, conversational=True):
-    questions = [f"What is {i} + {i + 1}?" for i in range(n)]
-    prompts = [[{"role": "user", "content": q}] for q in questions] if conversational else questions
-    return Dataset.from_dict(
-        {"prompt": prompts, "answer": [str(2 * i + 1) for i in range(n)], "id": [f"p{i}" for i in range(n)]}
-    )
-
-
-def length_reward(completions, **kwargs):
-    """Depends on the completion only, so members that generate differently score differently."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [len(t) / 100.0 for t in texts]
-
-
-def parity_reward(completion_ids, **kwargs):
-    """A primary 0/1 reward: solved when the completion's first token id is even."""
-    return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+_dataset = toy_dataset
 
 
 def _config(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        population_size=4,
-        per_device_train_batch_size=4,
-        max_completion_length=6,
-        sigma=0.05,
-        learning_rate=0.05,
-        max_steps=2,
-        use_cpu=True,
-        report_to="none",
-        seed=0,
-        disable_tqdm=True,
-    )
-    base.update(kw)
-    return DartESConfig(**base)
+    return tiny_es_config(tmp_path / "out", **kw)
 
 
 def _trainer(tmp_path, tiny_lm, tokenizer, reward_funcs=None, dataset=None, **kw):

@@ -3,6 +3,7 @@
 from .difficulty import DifficultyState
 from .embedded import EMBEDDED_MODELS, is_embedded, load_model, load_tokenizer, resolve_model_path
 from .fitness import dart_fitness, shape_fitness, solved_matrix
+from .lowrank import LowRankParameters
 from .noise import Member, gaussian, population
 from .perturb import EvolvedParameters
 from .replay import BatchPlanner, PlannedBatch
@@ -40,6 +41,7 @@ __all__ = [
     "DartESTrainer",
     "DifficultyState",
     "EvolvedParameters",
+    "LowRankParameters",
     "Member",
     "PlannedBatch",
     "TellResult",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .noise import Member, gaussian
-from .perturb import EvolvedParameters, check_master_names, load_master_into
+from .perturb import EvolvedParameters, MemberState, check_master_names, load_master_into
 
 __all__ = ["LowRankParameters"]
 
@@ -54,7 +54,7 @@ class _Subset:
         return iter(self._named)
 
 
-class LowRankParameters:
+class LowRankParameters(MemberState):
     """The trainable parameters of ``model`` under rank-``rank`` ES perturbations with noise scale ``sigma``.
 
     Same public interface as :class:`~trl_dart_es.perturb.EvolvedParameters` (``perturb``, ``restore``,
@@ -117,11 +117,6 @@ class LowRankParameters:
 
     # ------------------------------------------------------------------------------------------ properties
     @property
-    def names(self) -> list[str]:
-        """Names of the evolved parameters, in ``named_parameters()`` order."""
-        return list(self._names)
-
-    @property
     def lowrank_names(self) -> list[str]:
         """Names of the parameters with low-rank noise (the 2-D ones)."""
         return list(self._mat_names)
@@ -135,14 +130,6 @@ class LowRankParameters:
     def num_parameters(self) -> int:
         vec = self._vectors.num_parameters if self._vectors is not None else 0
         return sum(p.numel() for p in self._mats) + vec
-
-    @property
-    def is_perturbed(self) -> bool:
-        return self._current is not None
-
-    @property
-    def current_member(self) -> Member | None:
-        return self._current
 
     # ---------------------------------------------------------------------------------------------- noise
     def _member_factors(self, seed: int) -> list[torch.Tensor]:
@@ -222,15 +209,6 @@ class LowRankParameters:
             self._vectors.restore()
         self._current = None
 
-    @contextlib.contextmanager
-    def perturbed(self, member: Member) -> Iterator[None]:
-        """Apply ``member`` for the duration of the block; restores on exit, exceptions included."""
-        try:
-            self.perturb(member)
-            yield
-        finally:
-            self.restore()
-
     def update(self, members: Sequence[Member], z: Sequence[float], lr: float) -> float:
         """``theta += (lr / N) * sum_n z[n] * sign_n * eps_n``, with ``eps_n = A_n B_n^T / sqrt(r)`` on matrices.
 
@@ -239,19 +217,8 @@ class LowRankParameters:
         updated by EvolvedParameters. Restores first if a member is applied; clears the caches. Returns the L2
         norm of the float32 update over all parameters.
         """
-        members = list(members)
-        z = [float(v) for v in z]
-        if not members:
-            raise ValueError("update needs at least one member")
-        if len(members) != len(z):
-            raise ValueError(f"got {len(members)} members but {len(z)} fitness values")
-        if not all(math.isfinite(v) for v in z) or not math.isfinite(lr):
-            raise ValueError("z and lr must be finite")
-        self.restore()
+        coef = self._update_coefficients(members, z, lr)
         scale = float(lr) / len(members) / math.sqrt(self.rank)
-        coef: dict[int, float] = {}
-        for m, zn in zip(members, z, strict=True):
-            coef[m.seed] = coef.get(m.seed, 0.0) + m.sign * zn
         groups = [(seed, c * scale) for seed, c in coef.items() if c != 0.0]
         sq = 0.0
         try:

@@ -66,7 +66,63 @@ class _Scratch(threading.local):
         return buf[:n]
 
 
-class EvolvedParameters:
+class MemberState:
+    """What both parameter sets (full- and low-rank) share: which member is applied, and a scoped apply.
+
+    Subclasses set ``self._names`` and ``self._current`` and implement ``perturb`` and ``restore``.
+    """
+
+    _names: list[str]
+    _current: Member | None
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the evolved parameters, in ``named_parameters()`` order."""
+        return list(self._names)
+
+    @property
+    def is_perturbed(self) -> bool:
+        return self._current is not None
+
+    @property
+    def current_member(self) -> Member | None:
+        return self._current
+
+    def perturb(self, member: Member) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def perturbed(self, member: Member) -> Iterator[None]:
+        """Apply ``member`` for the duration of the block; restores on exit, exceptions included."""
+        try:
+            self.perturb(member)
+            yield
+        finally:
+            self.restore()
+
+    def _update_coefficients(
+        self, members: Sequence[Member], z: Sequence[float], lr: float
+    ) -> dict[int, float]:
+        """Check an update's inputs, restore, and return Σ sign·z per seed (antithetic pairs combine first)."""
+        members = list(members)
+        z = [float(v) for v in z]
+        if not members:
+            raise ValueError("update needs at least one member")
+        if len(members) != len(z):
+            raise ValueError(f"got {len(members)} members but {len(z)} fitness values")
+        if not all(math.isfinite(v) for v in z) or not math.isfinite(lr):
+            raise ValueError("z and lr must be finite")
+        self.restore()
+        coef: dict[int, float] = {}
+        for m, zn in zip(members, z, strict=True):
+            coef[m.seed] = coef.get(m.seed, 0.0) + m.sign * zn
+        return coef
+
+
+class EvolvedParameters(MemberState):
     """The trainable parameters of ``model`` under ES perturbation with noise scale ``sigma``.
 
     Args:
@@ -122,21 +178,8 @@ class EvolvedParameters:
 
     # ------------------------------------------------------------------------------------------ properties
     @property
-    def names(self) -> list[str]:
-        """Names of the evolved parameters, in ``named_parameters()`` order."""
-        return list(self._names)
-
-    @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self._params)
-
-    @property
-    def is_perturbed(self) -> bool:
-        return self._current is not None
-
-    @property
-    def current_member(self) -> Member | None:
-        return self._current
 
     @property
     def cached_seeds(self) -> list[int]:
@@ -253,15 +296,6 @@ class EvolvedParameters:
             self._applied.clear()
         self._current = None
 
-    @contextlib.contextmanager
-    def perturbed(self, member: Member) -> Iterator[None]:
-        """Apply ``member`` for the duration of the block; restores on exit, exceptions included."""
-        try:
-            self.perturb(member)
-            yield
-        finally:
-            self.restore()
-
     def update(self, members: Sequence[Member], z: Sequence[float], lr: float) -> float:
         """``theta += (lr / N) * sum_n z[n] * members[n].sign * eps(members[n].seed)``.
 
@@ -269,19 +303,8 @@ class EvolvedParameters:
         first if a member is applied, uses cached noise where available and draws the rest, then clears
         the cache. Returns the L2 norm of the fp32 update (the delta computed above, over all parameters).
         """
-        members = list(members)
-        z = [float(v) for v in z]
-        if not members:
-            raise ValueError("update needs at least one member")
-        if len(members) != len(z):
-            raise ValueError(f"got {len(members)} members but {len(z)} fitness values")
-        if not all(math.isfinite(v) for v in z) or not math.isfinite(lr):
-            raise ValueError("z and lr must be finite")
-        self.restore()
+        coef = self._update_coefficients(members, z, lr)
         scale = float(lr) / len(members)
-        coef: dict[int, float] = {}
-        for m, zn in zip(members, z, strict=True):
-            coef[m.seed] = coef.get(m.seed, 0.0) + m.sign * zn
         groups = [(seed, c * scale) for seed, c in coef.items() if c != 0.0]
 
         def step(t: _Task) -> float:

@@ -12,6 +12,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ..distributed import check_not_sharded
+
 _PERTURBATIONS = ("full", "lowrank")
 _SHAPINGS = ("zscore", "rank")
 _VLLM_MODES = ("colocate",)
@@ -94,7 +96,11 @@ class DartESConfig(TrainingArguments):
     )
     generation_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Prompts per `generate` call for one member. Default: all B prompts in one call."},
+        metadata={
+            "help": "Rows per `generate` call. Full rank: prompts of one member (default: all B). Low rank: rows "
+            "of the whole population, in whole member blocks when >= B (default: all N × B in one call). "
+            "Ignored with vLLM."
+        },
     )
     chat_template_kwargs: dict | str | None = field(
         default=None,
@@ -149,7 +155,11 @@ class DartESConfig(TrainingArguments):
         },
     )
     noise_cache_max_gb: float = field(
-        default=8.0, metadata={"help": "Memory budget of the noise cache (GiB)."}
+        default=1.0,
+        metadata={
+            "help": "Memory budget of the noise cache (GiB, per process). Small on purpose: ES's memory lead over "
+            "GRPO comes first; the cache only saves the second noise draw of the update (~5% of a CPU step)."
+        },
     )
 
     # DART: difficulty-aware reweighting
@@ -212,6 +222,7 @@ class DartESConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        check_not_sharded(self)  # before TrainingArguments sets up DeepSpeed/FSDP and fails less clearly
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):

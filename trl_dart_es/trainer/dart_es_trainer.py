@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
@@ -490,7 +489,12 @@ class DartESTrainer(_BaseTrainer):
             columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
             gen = self.rollout.generate(columns["prompt"])
             local.append((self._score(columns, [gen], 1), gen.num_tokens))
-        parts = gather_object(local) if world > 1 else local
+        if world > 1:
+            what = f"evaluation ({metric_key_prefix})"
+            per_rank = gather_object_with_timeout(local, timeout=self.args.ddp_timeout, what=what)
+            parts = [part for rank_parts in per_rank for part in rank_parts]
+        else:
+            parts = local
         rewards = np.concatenate([r for r, _ in parts], axis=1) if parts else np.zeros((len(self.scorer), 0))
         tokens = sum(t for _, t in parts)
         p = self.args.primary_reward_index
