@@ -84,6 +84,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "population_size": args.population,
         "per_device_train_batch_size": args.prompts,
         "max_completion_length": args.max_completion_length,
+        "learning_rate": args.learning_rate,
+        "sigma": args.sigma,
     }
     return {k: v for k, v in values.items() if v is not None}
 
@@ -200,7 +202,9 @@ def render_markdown(summary: dict[str, Any], settings: dict[str, Any], runs: lis
     if runs:
         lines.append(f"- Machine: {runs[0]['machine']}; last run {max(r['date'] for r in runs)}.")
     lines += [
-        "- Command: `python benchmarks/learning.py` (see the script's help for the options).",
+        f"- Command: `python benchmarks/learning.py --methods {' '.join(summary)} --seeds "
+        f"{' '.join(str(x) for x in sorted({r['seed'] for r in runs}))}` (finished runs are skipped; "
+        "wall times depend on what else ran on the machine).",
         "",
         "| method | seeds | acc. at step 0 | final acc. (mean ± std) | gain (mean) | wall time per run |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -211,17 +215,22 @@ def render_markdown(summary: dict[str, Any], settings: dict[str, Any], runs: lis
             f"| {100 * s['acc_final_mean']:.1f}% ± {100 * s['acc_final_std']:.1f} | {100 * s['gain_mean']:+.1f} pts "
             f"| {s['wall_s_mean'] / 60:.1f} min |"
         )
-    paired = _paired_differences(runs)
-    if paired:
-        diffs = ", ".join(f"seed {seed}: {100 * d:+.1f}" for seed, d in paired)
-        lines += ["", f"Final accuracy, DART-ES minus ES, paired by seed (points): {diffs}."]
+    for a, b in (("dart-es", "es"), ("dart-es-lowrank", "dart-es")):
+        paired = _paired_differences(runs, a, b)
+        if paired:
+            diffs = ", ".join(f"seed {seed}: {100 * d:+.1f}" for seed, d in paired)
+            mean = statistics.fmean(d for _, d in paired)
+            lines += [
+                "",
+                f"Final accuracy, {a} minus {b}, paired by seed (points): {diffs}; mean {100 * mean:+.1f}.",
+            ]
     return "\n".join(lines) + "\n"
 
 
-def _paired_differences(runs: list[dict[str, Any]]) -> list[tuple[int, float]]:
+def _paired_differences(runs: list[dict[str, Any]], a: str, b: str) -> list[tuple[int, float]]:
     final = {(r["method"], r["seed"]): r["curve"][-1][1] for r in runs}
-    seeds = sorted({s for m, s in final if m == "dart-es"} & {s for m, s in final if m == "es"})
-    return [(s, final["dart-es", s] - final["es", s]) for s in seeds]
+    seeds = sorted({s for m, s in final if m == a} & {s for m, s in final if m == b})
+    return [(s, final[a, s] - final[b, s]) for s in seeds]
 
 
 def plot(summary: dict[str, Any], settings: dict[str, Any], path: Path) -> None:
@@ -290,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--population", type=int)
     p.add_argument("--prompts", type=int, help="problems per step B")
     p.add_argument("--max-completion-length", type=int)
+    p.add_argument("--learning-rate", type=float, help="override the config's learning rate (alpha)")
+    p.add_argument("--sigma", type=float, help="override the config's noise scale")
     p.add_argument(
         "--runs-dir", default="docs/benchmarks/learning_runs", help="one JSON per finished (method, seed) run"
     )

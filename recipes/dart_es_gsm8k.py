@@ -40,9 +40,10 @@ def main(script_args: ScriptArguments, training_args: DartESConfig, model_args: 
 
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
-        print(f"\n{'held-out metric':<32} {'before':>8} {'after':>8}")
+        width = max(map(len, before))
+        print(f"\n{'held-out metric':<{width}} {'before':>8} {'after':>8}")
         for key in before:
-            print(f"{key:<32} {before[key]:>8.3f} {after[key]:>8.3f}")
+            print(f"{key:<{width}} {before[key]:>8.3f} {after[key]:>8.3f}")
         print(f"\nModel saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
