@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, tiny_es_config
 from transformers import GenerationConfig
 
 from trl_dart_es.noise import Member
@@ -333,29 +333,24 @@ def _length_reward(completion_ids, **kwargs):
 def test_a_full_dart_es_step_gives_the_same_update_on_both_backends(embedded, tmp_path):
     """Proof 3: one DART-ES step with use_vllm=True and one with transformers, from the same weights and seed:
     same completions, same K x N x B reward matrix, and then bitwise the same updated weights."""
-    from trl_dart_es import DartESConfig, DartESTrainer
+    from trl_dart_es import DartESTrainer
     from trl_dart_es.embedded import load_model
 
     _, tokenizer, engine = embedded
     data = load_task_dataset("embedded:gsm8k", "train", num_examples=16)
     results = {}
     for use_vllm in (False, True):
-        args = DartESConfig(
-            output_dir=str(tmp_path / f"vllm-{use_vllm}"),
+        args = tiny_es_config(
+            tmp_path / f"vllm-{use_vllm}",
             use_vllm=use_vllm,
             vllm_cpu_kvcache_space=2,
             vllm_max_model_length=1024,
-            population_size=4,
             per_device_train_batch_size=8,
             max_completion_length=12,
             sigma=0.01,
             learning_rate=1e-3,
             noise_cache="off",  # keeps the test's memory small; the update draws the same noise again
             max_steps=1,
-            use_cpu=True,
-            seed=0,
-            report_to="none",
-            disable_tqdm=True,
         )
         trainer = DartESTrainer(
             model=load_model(EMBEDDED, dtype=torch.float32),

@@ -189,13 +189,11 @@ class Workload:
         if self.max_completion_length is not None:
             return self
         length = 64
-        for name in _ES_CONFIGS:
-            path = Path(self.config_dir) / name
-            if path.is_file():
-                import yaml
+        path = _config_path(METHODS["dart-es"], self)
+        if path is not None:
+            import yaml
 
-                length = (yaml.safe_load(path.read_text()) or {}).get("max_completion_length", length)
-                break
+            length = (yaml.safe_load(Path(path).read_text()) or {}).get("max_completion_length", length)
         return replace(self, max_completion_length=int(length))
 
     def comparable(self) -> dict[str, Any]:

@@ -217,7 +217,7 @@ class LowRankParameters(MemberState):
         updated by EvolvedParameters. Restores first if a member is applied; clears the caches. Returns the L2
         norm of the float32 update over all parameters.
         """
-        coef = self._update_coefficients(members, z, lr)
+        members, coef = self._update_coefficients(members, z, lr)
         scale = float(lr) / len(members) / math.sqrt(self.rank)
         groups = [(seed, c * scale) for seed, c in coef.items() if c != 0.0]
         sq = 0.0

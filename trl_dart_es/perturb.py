@@ -105,8 +105,9 @@ class MemberState:
 
     def _update_coefficients(
         self, members: Sequence[Member], z: Sequence[float], lr: float
-    ) -> dict[int, float]:
-        """Check an update's inputs, restore, and return Σ sign·z per seed (antithetic pairs combine first)."""
+    ) -> tuple[list[Member], dict[int, float]]:
+        """Check an update's inputs and restore; return the members as a list and Σ sign·z per seed (antithetic
+        pairs combine first)."""
         members = list(members)
         z = [float(v) for v in z]
         if not members:
@@ -119,7 +120,7 @@ class MemberState:
         coef: dict[int, float] = {}
         for m, zn in zip(members, z, strict=True):
             coef[m.seed] = coef.get(m.seed, 0.0) + m.sign * zn
-        return coef
+        return members, coef
 
 
 class EvolvedParameters(MemberState):
@@ -303,7 +304,7 @@ class EvolvedParameters(MemberState):
         first if a member is applied, uses cached noise where available and draws the rest, then clears
         the cache. Returns the L2 norm of the fp32 update (the delta computed above, over all parameters).
         """
-        coef = self._update_coefficients(members, z, lr)
+        members, coef = self._update_coefficients(members, z, lr)
         scale = float(lr) / len(members)
         groups = [(seed, c * scale) for seed, c in coef.items() if c != 0.0]
 
