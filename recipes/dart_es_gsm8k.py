@@ -4,20 +4,39 @@
     accelerate launch recipes/dart_es_gsm8k.py --config recipes/configs/gsm8k_qwen.yaml
     accelerate launch --multi_gpu --num_processes 2 recipes/dart_es_gsm8k.py --config ...   # population split
 
-Any field of ScriptArguments, DartESConfig or ModelConfig can be set in the YAML or on the command line.
+Any field of TaskArguments (TRL's ScriptArguments plus two task options), DartESConfig or ModelConfig can be
+set in the YAML or on the command line.
 """
+
+from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_dart_es import DartESConfig, DartESTrainer
 from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
 from trl_dart_es.tasks import load_task_dataset
+from trl_dart_es.trainer.baseline import evaluate_untrained
 
 
-def main(script_args: ScriptArguments, training_args: DartESConfig, model_args: ModelConfig) -> None:
+@dataclass
+class TaskArguments(ScriptArguments):
+    prompt_style: str = field(
+        default="steps",
+        metadata={
+            "help": "System prompt: a key of trl_dart_es.tasks.gsm8k.PROMPT_STYLES ('steps', 'answer', ...)."
+        },
+    )
+    eval_num_examples: int | None = field(
+        default=None, metadata={"help": "Held-out prompts to generate (offline tasks only; default 128)."}
+    )
+
+
+def main(script_args: TaskArguments, training_args: DartESConfig, model_args: ModelConfig) -> None:
     # Data: "openai/gsm8k" from the hub, or "embedded:gsm8k", the offline GSM8K-style generator.
-    train_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_train_split)
-    eval_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_test_split)
+    name, style = script_args.dataset_name, script_args.prompt_style
+    train_dataset = load_task_dataset(name, script_args.dataset_train_split, prompt_style=style)
+    size = {"num_examples": script_args.eval_num_examples} if script_args.eval_num_examples else {}
+    eval_dataset = load_task_dataset(name, script_args.dataset_test_split, prompt_style=style, **size)
 
     # Model: a hub id, a local path, or "embedded:smollm2-135m" (offline).
     training_args.model_init_kwargs = {
@@ -33,22 +52,35 @@ def main(script_args: ScriptArguments, training_args: DartESConfig, model_args: 
         peft_config=get_peft_config(model_args),
     )
 
-    # Held-out accuracy of the unperturbed model, before and after training.
-    before = trainer.evaluate_dataset(eval_dataset)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # Held-out metrics of the unperturbed model, before (cached for the embedded model) and after training.
+    resuming = training_args.resume_from_checkpoint
+    if resuming:
+        before, cached = trainer.evaluate_dataset(eval_dataset), False
+    else:
+        before, cached = evaluate_untrained(trainer, eval_dataset, model_args.model_name_or_path)
+    trainer.train(resume_from_checkpoint=resuming)
     after = trainer.evaluate_dataset(eval_dataset)
 
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
         width = max(map(len, before))
-        print(f"\n{'held-out metric':<{width}} {'before':>8} {'after':>8}")
+        print(
+            f"\nHeld-out: {len(eval_dataset)} prompts of {name} ({script_args.dataset_test_split} split), greedy, "
+            f"up to {training_args.max_completion_length} tokens"
+            + (" ('before' from cache)" if cached else "")
+        )
+        print(f"{'held-out metric':<{width}} {'before':>8} {'after':>8}")
         for key in before:
             print(f"{key:<{width}} {before[key]:>8.3f} {after[key]:>8.3f}")
-        print(f"\nModel saved to {training_args.output_dir}")
+        gain = 100 * (after["eval_accuracy"] - before["eval_accuracy"])
+        print(
+            f"\nAccuracy {100 * before['eval_accuracy']:.1f}% -> {100 * after['eval_accuracy']:.1f}% ({gain:+.1f} points)"
+        )
+        print(f"Model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        trainer.push_to_hub(dataset_name=name)
 
 
 if __name__ == "__main__":  # the guard lets vLLM's spawned workers import this file safely
-    parser = TrlParser((ScriptArguments, DartESConfig, ModelConfig))
+    parser = TrlParser((TaskArguments, DartESConfig, ModelConfig))
     main(*parser.parse_args_and_config())

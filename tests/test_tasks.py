@@ -152,3 +152,26 @@ def test_hub_gsm8k_goes_through_load_dataset(monkeypatch):
     ds = load_task_dataset("openai/gsm8k", "test")
     assert calls == [("openai/gsm8k", "main", "test")]
     assert ds["answer"] == ["72", "3600"] and ds["id"][0] == "gsm8k-test-00000"
+
+
+def test_prompt_styles_change_only_the_system_prompt():
+    from trl_dart_es.tasks.gsm8k import PROMPT_STYLES
+
+    steps = make_synthetic_gsm8k(6, split="test")
+    for style, system in PROMPT_STYLES.items():
+        ds = make_synthetic_gsm8k(6, split="test", prompt_style=style)
+        assert [p[0]["content"] for p in ds["prompt"]] == [system] * 6
+        # Same problems, answers and ids whatever the prompt asks for.
+        assert (
+            ds["question"] == steps["question"]
+            and ds["answer"] == steps["answer"]
+            and ds["id"] == steps["id"]
+        )
+    plain = load_task_dataset(
+        "embedded:gsm8k", "test", conversational=False, prompt_style="answer", num_examples=2
+    )
+    assert plain["prompt"][0].startswith(PROMPT_STYLES["answer"])
+    hub_like = to_trl_format(GSM8K_LIKE, split="train", prompt_style="brief")
+    assert hub_like["prompt"][0][0]["content"] == PROMPT_STYLES["brief"]
+    with pytest.raises(ValueError, match="'terse'"):
+        make_synthetic_gsm8k(2, split="test", prompt_style="terse")

@@ -344,3 +344,23 @@ def test_save_model_writes_card_and_reloads(tmp_path, tiny_lm, tokenizer):
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     for (n, p), (_, q) in zip(trainer.model.named_parameters(), reloaded.named_parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_evaluation_reports_clipped_ratio_and_accuracy_per_level(tmp_path, tiny_lm, tokenizer):
+    from trl_dart_es.rollout.base import Generation
+
+    eos = tokenizer.eos_token_id
+    gen = Generation(texts=["", "", "", ""], token_ids=[[5, 6, 7], [5, eos], [5, 6, eos], []])
+    assert gen.num_clipped(3, [eos]) == 1  # only the row that reached 3 tokens without EOS
+
+    rows = _dataset(6).add_column("level", [1, 2, 1, 2, 1, 3])
+    trainer = _trainer(tmp_path, tiny_lm, tokenizer, per_device_eval_batch_size=4)
+    metrics = trainer.evaluate_dataset(rows)
+    out = trainer.rollout.generate(rows["prompt"])
+    solved = np.asarray([float(ids[0] % 2 == 0) for ids in out.token_ids])
+    clipped = out.num_clipped(trainer.args.max_completion_length, trainer.eos_token_ids)
+    assert metrics["eval_completions/clipped_ratio"] == pytest.approx(clipped / 6)
+    levels = np.asarray(rows["level"])
+    for level in (1, 2, 3):
+        assert metrics[f"eval_accuracy/level{level}"] == pytest.approx(solved[levels == level].mean())
+    assert "eval_accuracy/level1" not in trainer.evaluate_dataset(_dataset(3))  # no level column, no split

@@ -20,6 +20,11 @@ class Generation:
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.token_ids)
 
+    def num_clipped(self, max_tokens: int, eos_token_ids: Sequence[int]) -> int:
+        """Completions that hit the `max_tokens` limit before an EOS (TRL's "clipped" completions)."""
+        eos = set(eos_token_ids)
+        return sum(len(ids) >= max_tokens and (not ids or ids[-1] not in eos) for ids in self.token_ids)
+
 
 class PopulationRollout(Protocol):
     """Generates for the unperturbed model and for each member of a population."""

@@ -23,16 +23,33 @@ GSM8K_SYSTEM_PROMPT = (
     "Solve the math problem in a few short steps. "
     "Write the final answer on the last line as #### followed by the number."
 )
+# What the system prompt asks for (`prompt_style`); the learning study (docs/benchmarks/study.md) compares
+# them. "steps" is GSM8K_SYSTEM_PROMPT; the others ask for shorter completions, which a small completion
+# budget cuts off less often.
+PROMPT_STYLES: dict[str, str] = {
+    "steps": GSM8K_SYSTEM_PROMPT,
+    "brief": (
+        "Solve the math problem with one short equation per step. "
+        "Then write #### followed by the final number."
+    ),
+    "equation": "Write one equation that solves the problem, then #### followed by the final number.",
+    "answer": "Give only the final answer, written as #### followed by the number. Do not explain.",
+}
 
 
-def format_gsm8k_prompt(question: str, *, conversational: bool = True) -> list[dict[str, str]] | str:
-    """The prompt for one question: system + user messages, or one plain string for the standard format."""
+def format_gsm8k_prompt(
+    question: str, *, conversational: bool = True, style: str = "steps"
+) -> list[dict[str, str]] | str:
+    """The prompt for one question: system + user messages, or one plain string for the standard format.
+
+    `style` picks the system prompt from `PROMPT_STYLES`.
+    """
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"Unknown prompt style {style!r}; choose from {sorted(PROMPT_STYLES)}.")
+    system = PROMPT_STYLES[style]
     if conversational:
-        return [
-            {"role": "system", "content": GSM8K_SYSTEM_PROMPT},
-            {"role": "user", "content": question.strip()},
-        ]
-    return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question.strip()}\nAnswer:"
+        return [{"role": "system", "content": system}, {"role": "user", "content": question.strip()}]
+    return f"{system}\n\nQuestion: {question.strip()}\nAnswer:"
 
 
 _HASH_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
@@ -47,7 +64,12 @@ def extract_gsm8k_answer(solution: str) -> str:
 
 
 def to_trl_format(
-    dataset: Dataset, *, split: str, conversational: bool = True, id_prefix: str = "gsm8k"
+    dataset: Dataset,
+    *,
+    split: str,
+    conversational: bool = True,
+    id_prefix: str = "gsm8k",
+    prompt_style: str = "steps",
 ) -> Dataset:
     """Map rows shaped like `openai/gsm8k` (`question`, `answer` = worked solution) to TRL's format.
 
@@ -57,7 +79,7 @@ def to_trl_format(
 
     def convert(row: dict[str, Any], index: int) -> dict[str, Any]:
         return {
-            "prompt": format_gsm8k_prompt(row["question"], conversational=conversational),
+            "prompt": format_gsm8k_prompt(row["question"], conversational=conversational, style=prompt_style),
             "answer": extract_gsm8k_answer(row["answer"]),
             "solution": row["answer"],
             "id": f"{id_prefix}-{split}-{index:05d}",
@@ -66,12 +88,14 @@ def to_trl_format(
     return dataset.map(convert, with_indices=True)
 
 
-def load_gsm8k(split: str = "train", *, conversational: bool = True, **load_dataset_kwargs: Any) -> Dataset:
+def load_gsm8k(
+    split: str = "train", *, conversational: bool = True, prompt_style: str = "steps", **load_dataset_kwargs: Any
+) -> Dataset:
     """The real GSM8K (`openai/gsm8k`, config "main") from the Hugging Face Hub, in TRL's format."""
     from datasets import load_dataset
 
     raw = load_dataset(GSM8K_HUB_ID, "main", split=split, **load_dataset_kwargs)
-    return to_trl_format(raw, split=split, conversational=conversational)
+    return to_trl_format(raw, split=split, conversational=conversational, prompt_style=prompt_style)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,6 +214,7 @@ def make_synthetic_gsm8k(
     level_weights: tuple[float, ...] | None = None,
     level_ranges: dict[int, tuple[int, int]] | None = None,
     conversational: bool = True,
+    prompt_style: str = "steps",
 ) -> Dataset:
     """Offline GSM8K-style word problems: 1 to 3 arithmetic steps (+, -, *, /) with integer results.
 
@@ -205,11 +230,15 @@ def make_synthetic_gsm8k(
         level_weights: relative frequency of each level (default: `DEFAULT_LEVEL_WEIGHTS`, 2:1:1).
         level_ranges: per level, (largest starting amount, largest added/removed amount).
         conversational: messages (`True`, default) or a plain-string prompt (TRL's standard format).
+        prompt_style: the system prompt, a key of `PROMPT_STYLES` ("steps", the default, asks for short
+            worked steps).
     """
     if split not in _SPLIT_BUCKETS:
         raise ValueError(
             f"Unknown split {split!r} for synthetic GSM8K; choose from {sorted(_SPLIT_BUCKETS)}."
         )
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"Unknown prompt_style {prompt_style!r}; choose from {sorted(PROMPT_STYLES)}.")
     ranges = {**DEFAULT_LEVEL_RANGES, **(level_ranges or {})}
     bad = [lvl for lvl in levels if lvl not in ranges]
     if not levels or bad:
@@ -237,7 +266,9 @@ def make_synthetic_gsm8k(
         index = len(rows)
         rows.append(
             {
-                "prompt": format_gsm8k_prompt(problem["question"], conversational=conversational),
+                "prompt": format_gsm8k_prompt(
+                    problem["question"], conversational=conversational, style=prompt_style
+                ),
                 "answer": problem["answer"],
                 "id": f"synthetic-gsm8k-{split}-s{seed}-{index:05d}",
                 "question": problem["question"],

@@ -488,15 +488,17 @@ class DartESTrainer(_BaseTrainer):
         ):
             columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
             gen = self.rollout.generate(columns["prompt"])
-            local.append((self._score(columns, [gen], 1), gen.num_tokens))
+            clipped = gen.num_clipped(self.args.max_completion_length, self.eos_token_ids)
+            local.append((self._score(columns, [gen], 1), gen.num_tokens, clipped, columns.get("level")))
         if world > 1:
             what = f"evaluation ({metric_key_prefix})"
             per_rank = gather_object_with_timeout(local, timeout=self.args.ddp_timeout, what=what)
             parts = [part for rank_parts in per_rank for part in rank_parts]
         else:
             parts = local
-        rewards = np.concatenate([r for r, _ in parts], axis=1) if parts else np.zeros((len(self.scorer), 0))
-        tokens = sum(t for _, t in parts)
+        empty = np.zeros((len(self.scorer), 0))
+        rewards = np.concatenate([part[0] for part in parts], axis=1) if parts else empty
+        tokens = sum(part[1] for part in parts)
         p = self.args.primary_reward_index
         total = np.nansum(rewards * self.reward_weights[:, None], axis=0)
         metrics = {f"{metric_key_prefix}_reward": float(total.mean()) if total.size else float("nan")}
@@ -504,7 +506,14 @@ class DartESTrainer(_BaseTrainer):
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(np.nanmean(rewards[k]))
         solved = np.nan_to_num(rewards[p], nan=-np.inf) >= self.args.solved_threshold
         metrics[f"{metric_key_prefix}_accuracy"] = float(solved.mean()) if solved.size else float("nan")
-        metrics[f"{metric_key_prefix}_completions/mean_length"] = tokens / max(1, rewards.shape[1])
+        rows_seen = max(1, rewards.shape[1])
+        metrics[f"{metric_key_prefix}_completions/mean_length"] = tokens / rows_seen
+        metrics[f"{metric_key_prefix}_completions/clipped_ratio"] = sum(part[2] for part in parts) / rows_seen
+        # Accuracy per difficulty level, where the rows have one (the offline tasks do).
+        if parts and all(part[3] is not None for part in parts):
+            levels = np.asarray([lv for part in parts for lv in part[3]])
+            for level in sorted(set(levels.tolist())):
+                metrics[f"{metric_key_prefix}_accuracy/level{level}"] = float(solved[levels == level].mean())
         return metrics
 
     # --------------------------------------------------------------------------------- checkpoint / resume

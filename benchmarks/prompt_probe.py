@@ -1,0 +1,127 @@
+"""What the task's prompt asks for, and how long completions must be: the untrained embedded model, greedy.
+
+    python benchmarks/prompt_probe.py                 # ~5 min on 2 CPU cores (vLLM if installed)
+
+For each system prompt in `PROMPTS`, one greedy generation of up to `--max-tokens` tokens per held-out
+prompt. Greedy decoding is prefix-consistent, so cutting each completion at L tokens gives exactly the
+completion that `max_completion_length=L` would produce: one generation measures every length. Per prompt
+and length: accuracy, format reward, the fraction of completions that hit the limit, and accuracy per
+difficulty level. Writes docs/benchmarks/prompt_probe.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from trl_dart_es.benchmark import machine_description
+from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
+from trl_dart_es.tasks.gsm8k import GSM8K_SYSTEM_PROMPT, PROMPT_STYLES, make_synthetic_gsm8k
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = (16, 24, 32, 40, 48, 64, 96)
+
+
+def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list[list[int]]:
+    """Greedy token ids per prompt, with vLLM when it is installed, else transformers."""
+    try:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM, SamplingParams
+    except ImportError:
+        LLM = None
+    if LLM is not None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            max_model_len=1024,
+            enforce_eager=True,
+            gpu_memory_utilization=0.3,
+        )
+        outs = llm.chat(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    import torch
+
+    from trl_dart_es.embedded import load_model, load_tokenizer
+
+    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    tok.padding_side = "left"
+    ids = []
+    for start in range(0, len(prompts), 64):
+        texts = [
+            tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+            for p in prompts[start : start + 64]
+        ]
+        batch = tok(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(
+                **batch, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        for row in out[:, batch["input_ids"].shape[1] :]:
+            row = row.tolist()
+            ids.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    return ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=256, help="held-out prompts")
+    parser.add_argument("--max-tokens", type=int, default=max(LENGTHS))
+    parser.add_argument("--styles", nargs="+", default=list(PROMPT_STYLES))
+    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "prompt_probe"))
+    args = parser.parse_args()
+
+    from trl_dart_es.embedded import load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path("embedded:smollm2-135m")
+    tok = load_tokenizer(model_dir)
+    results = []
+    for style in args.styles:
+        data = make_synthetic_gsm8k(args.prompts, split="test", prompt_style=style)
+        token_ids = generate(list(data["prompt"]), args.max_tokens, model_dir)
+        levels = np.asarray(data["level"])
+        for length in LENGTHS:
+            cut = [ids[:length] for ids in token_ids]
+            texts = [tok.decode(ids, skip_special_tokens=True) for ids in cut]
+            hit = np.asarray([len(ids) >= length and tok.eos_token_id not in ids for ids in cut])
+            acc = np.asarray(gsm8k_accuracy_reward(texts, answer=list(data["answer"])), dtype=float)
+            fmt = np.asarray(gsm8k_format_reward(texts), dtype=float)
+            row = {
+                "style": style, "length": length, "accuracy": acc.mean(), "format": fmt.mean(),
+                "hit_limit": hit.mean(), "mean_tokens": float(np.mean([len(c) for c in cut])),
+            }  # fmt: skip
+            row.update({f"accuracy_level{lv}": float(acc[levels == lv].mean()) for lv in sorted(set(levels))})
+            results.append(row)
+            print(json.dumps(row))
+    out = Path(args.output)
+    meta = {
+        "machine": machine_description(),
+        "prompts": args.prompts,
+        "command": "python benchmarks/prompt_probe.py",
+    }
+    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": results}, indent=1) + "\n")
+    lines = [
+        "# Prompt and completion-length probe (untrained embedded model, greedy)",
+        "",
+        f"- {args.prompts} held-out prompts of `embedded:gsm8k` (test split); machine: {meta['machine']}.",
+        f"- Command: `{meta['command']}`.",
+        "",
+        "| prompt style | max tokens | accuracy | level 1 | level 2 | level 3 | format reward | hit limit | mean tokens |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['style']} | {r['length']} | {r['accuracy']:.1%} | {r.get('accuracy_level1', float('nan')):.1%} | "
+            f"{r.get('accuracy_level2', float('nan')):.1%} | {r.get('accuracy_level3', float('nan')):.1%} | "
+            f"{r['format']:.2f} | {r['hit_limit']:.0%} | {r['mean_tokens']:.1f} |"
+        )
+    lines += ["", f"Default system prompt (`steps`): {GSM8K_SYSTEM_PROMPT!r}", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

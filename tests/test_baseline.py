@@ -1,0 +1,42 @@
+"""The untrained embedded model's held-out metrics are cached, keyed by what changes them."""
+
+import pytest
+from conftest import tiny_es_config
+
+from trl_dart_es import DartESTrainer
+from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
+from trl_dart_es.tasks import load_task_dataset
+from trl_dart_es.trainer.baseline import baseline_cache_key, evaluate_untrained
+
+
+def _trainer(tmp_path):
+    data = load_task_dataset("embedded:gsm8k", "test", num_examples=4)
+    args = tiny_es_config(tmp_path / "out", max_completion_length=4, per_device_eval_batch_size=4)
+    trainer = DartESTrainer("embedded:smollm2-135m", [gsm8k_accuracy_reward, gsm8k_format_reward], args, data)
+    return trainer, data
+
+
+def test_untrained_metrics_are_cached_by_everything_that_changes_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "cache"
+    trainer, data = _trainer(tmp_path)
+    first, cached = evaluate_untrained(trainer, data, "embedded:smollm2-135m", cache_dir=cache)
+    assert not cached and len(list(cache.glob("*.json"))) == 1
+    again, cached = evaluate_untrained(trainer, data, "embedded:smollm2-135m", cache_dir=cache)
+    assert cached and again == pytest.approx(first)
+    assert again == pytest.approx(trainer.evaluate_dataset(data))  # the cache holds the real evaluation
+
+    # Other rows are evaluated anew.
+    _, cached = evaluate_untrained(trainer, data.select([0, 1]), "embedded:smollm2-135m", cache_dir=cache)
+    assert not cached
+    # The key covers the generation settings (here the completion length) and the evaluation rows.
+    key = baseline_cache_key(trainer, data, "embedded:smollm2-135m")
+    trainer.args.max_completion_length += 1
+    assert baseline_cache_key(trainer, data, "embedded:smollm2-135m") != key
+    trainer.args.max_completion_length -= 1
+    assert baseline_cache_key(trainer, data, "embedded:smollm2-135m") == key
+    assert len(list(cache.glob("*.json"))) == 2
+
+    # A model that is not embedded (its weights may change) is never cached.
+    _, cached = evaluate_untrained(trainer, data, "some-org/some-model", cache_dir=cache)
+    assert not cached and len(list(cache.glob("*.json"))) == 2
