@@ -3,12 +3,19 @@ recipes/dart_es_gsm8k.py, so that the two can be compared (see docs/benchmarks.m
 
     python recipes/grpo_gsm8k.py --config recipes/configs/grpo_quickstart.yaml
     accelerate launch recipes/grpo_gsm8k.py --config recipes/configs/grpo_quickstart.yaml
+    # DeepSpeed ZeRO-2 / ZeRO-3 (GPUs: deepspeed_zero{2,3}.yaml; 2 CPU processes: deepspeed_zero{2,3}_cpu.yaml)
+    accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero3_cpu.yaml recipes/grpo_gsm8k.py \
+        --config recipes/configs/grpo_quickstart.yaml
 
 Any field of ScriptArguments, GRPOConfig or ModelConfig can be set in the YAML or on the command line; with
 `--use_peft true` this is GRPO+LoRA (recipes/grpo_lora_gsm8k.py sets it for you).
 """
 
+import os
+import sys
+
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl.models.utils import unwrap_model_for_generation
 
 from trl_dart_es.benchmark import evaluate_greedy
 from trl_dart_es.embedded import resolve_model_path
@@ -35,17 +42,19 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         peft_config=get_peft_config(model_args),
     )
 
-    # Held-out accuracy before and after, with the greedy generation code DART-ES evaluates with.
+    # Held-out accuracy before and after, with the greedy generation code DART-ES evaluates with. Under ZeRO-3
+    # the parameters are partitioned: TRL's context gathers them (on every process) for generation.
     def evaluate() -> dict[str, float]:
-        return evaluate_greedy(
-            trainer.accelerator.unwrap_model(trainer.model),
-            trainer.processing_class,
-            eval_dataset,
-            reward_funcs,
-            max_completion_length=training_args.max_completion_length,
-            batch_size=training_args.per_device_eval_batch_size,
-            reward_weights=training_args.reward_weights,
-        )
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            return evaluate_greedy(
+                model,
+                trainer.processing_class,
+                eval_dataset,
+                reward_funcs,
+                max_completion_length=training_args.max_completion_length,
+                batch_size=training_args.per_device_eval_batch_size,
+                reward_weights=training_args.reward_weights,
+            )
 
     before = evaluate()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -61,6 +70,20 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
 
 
+def cpu_launch_args(argv: list[str]) -> list[str]:
+    """`argv` plus `--use_cpu true` for a multi-process launch on a machine without a GPU.
+
+    There, without `use_cpu`, Accelerate counts one process while torchrun (and DeepSpeed) started several, and
+    a DeepSpeed run stops on `train_batch_size ... 4 != 4 * 1 * 2`. A `--use_cpu` given on the command line wins.
+    """
+    import torch
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not torch.cuda.is_available() and not any(a.startswith("--use_cpu") for a in argv):
+        return [*argv, "--use_cpu", "true"]
+    return argv
+
+
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*parser.parse_args_and_config(cpu_launch_args(sys.argv[1:])))

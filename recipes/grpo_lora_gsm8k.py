@@ -13,6 +13,7 @@ import sys
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grpo_gsm8k import cpu_launch_args  # noqa: E402
 from grpo_gsm8k import main as grpo_main  # noqa: E402
 
 
@@ -25,4 +26,4 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*parser.parse_args_and_config(cpu_launch_args(sys.argv[1:])))
