@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from torch import nn
 from .noise import Member, gaussian
 from .perturb import EvolvedParameters, MemberState, check_master_names, load_master_into
 
-__all__ = ["LowRankParameters"]
+__all__ = ["LowRankParameters", "lora_carried_names"]
 
 # Rows of a matrix update computed per matmul: bounds the float32 temporary (16 Mi elements = 64 MiB).
 _UPDATE_BLOCK_ELEMENTS = 1 << 24
@@ -70,6 +70,9 @@ class LowRankParameters(MemberState):
         cache_noise: cache the full-rank noise of the non-matrix parameters between evaluation and update (see
             EvolvedParameters). The low-rank factors are always cached until the update: they are small,
             ``4 * r * sum(m + n)`` bytes per member.
+        names: evolve only these trainable parameters (e.g. :func:`lora_carried_names`); the others stay
+            fixed: neither perturbed nor updated. Default: every trainable parameter. A parameter's factors
+            depend only on the seed and its name, so restricting the set does not change the others' noise.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class LowRankParameters(MemberState):
         *,
         exact_restore: bool = True,
         cache_noise: bool = True,
+        names: Collection[str] | None = None,
     ) -> None:
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"sigma must be a positive finite number, got {sigma!r}")
@@ -88,6 +92,14 @@ class LowRankParameters(MemberState):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        if names is not None:
+            wanted = set(names)
+            unknown = sorted(wanted - {n for n, _ in named})
+            if unknown:
+                raise ValueError(f"names {unknown[:5]} are not trainable parameters of the model")
+            named = [(n, p) for n, p in named if n in wanted]
+            if not named:
+                raise ValueError("names selects no parameter to evolve")
         for name, param in named:
             if not param.is_floating_point():
                 raise ValueError(f"parameter {name!r} has non-floating dtype {param.dtype}")
@@ -361,6 +373,28 @@ class LowRankParameters(MemberState):
             f"num_parameters={self.num_parameters:,}, sigma={self.sigma}, rank={self.rank}, "
             f"exact_restore={self.exact_restore})"
         )
+
+
+def lora_carried_names(model: nn.Module) -> list[str]:
+    """Trainable parameters a LoRA adapter can carry: the weights of the linear layers (attention and MLP
+    projections), in ``named_parameters()`` order.
+
+    Left out: embeddings, the output head (tied to the embedding or not: vLLM's LoRA layers do not carry it),
+    norm gains, biases and every other non-``nn.Linear`` parameter. With ``LowRankParameters(...,
+    names=lora_carried_names(model))`` the population is exactly what a set of per-member LoRA adapters of
+    rank ``r`` can express, so the transformers and vLLM low-rank backends run the same algorithm.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    excluded = {
+        id(m.weight) for m in (head, embed) if m is not None and getattr(m, "weight", None) is not None
+    }
+    linear_weights = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m is not head and m.weight.requires_grad
+    }
+    return [n for n, p in model.named_parameters() if id(p) in linear_weights and id(p) not in excluded]
 
 
 # ------------------------------------------------------------------------------------------- batching

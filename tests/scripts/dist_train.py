@@ -45,6 +45,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-step", type=int, default=2)
     p.add_argument("--fail-mode", choices=["exit", "hang"], default="exit")
+    p.add_argument(
+        "--vllm-lowrank",
+        action="store_true",
+        help="use_vllm=True, perturbation='lowrank' on a tiny model vLLM's CPU attention runs (head size 64)",
+    )
     return p.parse_args()
 
 
@@ -52,7 +57,8 @@ def main() -> None:
     cli = parse_args()
     rank = int(os.environ.get("RANK", 0))
     tokenizer = AutoTokenizer.from_pretrained(cli.tokenizer, padding_side="left")
-    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)
+    hidden = 128 if cli.vllm_lowrank else 16
+    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=hidden, layers=1)
     for cfg in (model.config, model.generation_config):
         cfg.pad_token_id = tokenizer.pad_token_id
         cfg.eos_token_id = tokenizer.eos_token_id
@@ -95,6 +101,17 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
         logging_steps=1,
+        **(
+            dict(
+                use_vllm=True,
+                perturbation="lowrank",
+                perturbation_rank=2,
+                vllm_cpu_kvcache_space=1,
+                vllm_max_model_length=256,
+            )
+            if cli.vllm_lowrank
+            else {}
+        ),
     )
     trainer = DartESTrainer(
         model=model,
@@ -130,6 +147,7 @@ def main() -> None:
         "local_members": trainer._local_members(cli.population),
         "global_step": trainer.state.global_step,
         "model_wrapped": type(trainer.model_wrapped).__name__,
+        "rollout": type(trainer.rollout).__name__,
         "dart_state": trainer.strategy.state_dict(),
         "logs": record.metrics,
     }

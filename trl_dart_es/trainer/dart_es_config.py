@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 from ..distributed import check_not_sharded
 
 _PERTURBATIONS = ("full", "lowrank")
+_LOWRANK_TARGETS = ("auto", "all", "lora")
 _SHAPINGS = ("zscore", "rank")
 _VLLM_MODES = ("colocate",)
 _NOISE_CACHE = ("auto", "on", "off")
@@ -140,6 +141,17 @@ class DartESConfig(TrainingArguments):
         },
     )
     perturbation_rank: int = field(default=1, metadata={"help": "Rank r of the low-rank perturbations."})
+    lowrank_targets: str = field(
+        default="auto",
+        metadata={
+            "help": "Which trainable tensors evolve with perturbation='lowrank'. 'all': every one (matrices and "
+            "embeddings low-rank, norm gains and biases full-rank). 'lora': only the weights of linear layers, "
+            "which a LoRA adapter can carry (attention and MLP projections); embeddings, the output head, norms "
+            "and biases stay fixed (neither perturbed nor updated), as vLLM's per-member LoRA adapters require. "
+            "'auto': 'lora' with use_vllm=True, else 'all'. Set 'lora' on the transformers backend to run the "
+            "same algorithm as with vLLM."
+        },
+    )
     exact_restore: bool = field(
         default=True,
         metadata={
@@ -230,6 +242,15 @@ class DartESConfig(TrainingArguments):
         super().__post_init__()
         self._validate()
 
+    @property
+    def resolved_lowrank_targets(self) -> str | None:
+        """'all' or 'lora' with perturbation='lowrank' ('auto' resolved), else None."""
+        if self.perturbation != "lowrank":
+            return None
+        if self.lowrank_targets == "auto":
+            return "lora" if self.use_vllm else "all"
+        return self.lowrank_targets
+
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"DartESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
@@ -280,10 +301,15 @@ class DartESConfig(TrainingArguments):
             raise bad("generation_batch_size", "must be >= 1")
         if self.vllm_mode not in _VLLM_MODES:
             raise bad("vllm_mode", f"only {_VLLM_MODES} is supported: the engine must share the process")
-        if self.use_vllm and self.perturbation == "lowrank":
+        if self.lowrank_targets not in _LOWRANK_TARGETS:
+            raise bad("lowrank_targets", f"choose one of {_LOWRANK_TARGETS}")
+        if self.lowrank_targets != "auto" and self.perturbation != "lowrank":
+            raise bad("lowrank_targets", "only applies to perturbation='lowrank'; leave it 'auto'")
+        if self.use_vllm and self.perturbation == "lowrank" and self.lowrank_targets == "all":
             raise bad(
-                "perturbation",
-                "low-rank population batching runs on the transformers backend only; set use_vllm=False",
+                "lowrank_targets",
+                "with use_vllm=True each member is a LoRA adapter, which cannot carry embeddings, the output "
+                "head, norms or biases; use 'lora' (or 'auto'), or use_vllm=False to evolve every tensor",
             )
         if self.reward_weights is not None and any(w != w for w in self.reward_weights):
             raise bad("reward_weights", "NaN weight")

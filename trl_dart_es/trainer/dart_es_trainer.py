@@ -238,7 +238,7 @@ class DartESTrainer(_BaseTrainer):
             zero_pass_patience=args.zero_pass_patience,
         )
         if args.perturbation == "lowrank":  # EGGROLL: rank-r noise on matrices, one batched generate per step
-            from ..lowrank import LowRankParameters
+            from ..lowrank import LowRankParameters, lora_carried_names
 
             self.es_params = LowRankParameters(
                 self.model,
@@ -246,6 +246,7 @@ class DartESTrainer(_BaseTrainer):
                 rank=args.perturbation_rank,
                 exact_restore=args.exact_restore,
                 cache_noise=self._use_noise_cache(),
+                names=lora_carried_names(self.model) if args.resolved_lowrank_targets == "lora" else None,
             )
         else:
             self.es_params = EvolvedParameters(
@@ -267,6 +268,10 @@ class DartESTrainer(_BaseTrainer):
     def _build_rollout(self):
         args = self.args
         gen_config = build_generation_config(args, self.processing_class, self.eos_token_ids)
+        if args.use_vllm and args.perturbation == "lowrank":
+            from ..rollout.vllm_lowrank import VLLMLowRankRollout
+
+            return VLLMLowRankRollout.from_trainer(self, gen_config)
         if args.use_vllm:
             from ..rollout.vllm import VLLMRollout
 
