@@ -38,6 +38,8 @@ def test_micro_batch_divides_the_rollouts(total, preferred, expected):
 
 
 def test_method_registry():
+    vllm_rows = {"dart-es-vllm", "dart-es-vllm-lowrank", "inference-vllm"}
+    installed = bench._installed(["vllm"])
     assert set(bench.DEFAULT_METHODS) == {
         "dart-es",
         "es",
@@ -45,10 +47,14 @@ def test_method_registry():
         "grpo-lora",
         "dart-es-lowrank",
         "inference",
-    }
-    for optional in ("dart-es-vllm", "dart-es-noise-cache"):
+    } | (vllm_rows if installed else set())
+    for optional in ("dart-es-noise-cache",):
         assert optional in bench.METHODS and optional not in bench.DEFAULT_METHODS
     assert bench.METHODS["dart-es-vllm"].overrides["use_vllm"] is True
+    lowrank_vllm = bench.METHODS["dart-es-vllm-lowrank"].overrides
+    assert lowrank_vllm["use_vllm"] is True and lowrank_vllm["perturbation"] == "lowrank"
+    assert bench.METHODS["inference-vllm"].kind == "inference"
+    assert bench.METHODS["inference-vllm"].overrides["use_vllm"] is True
     assert bench.METHODS["dart-es-lowrank"].overrides["perturbation"] == "lowrank"
     # The inference row generates with the low-rank rollout's batching (all N x B rows in one call).
     assert bench.METHODS["inference"].overrides["perturbation"] == "lowrank"
