@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +43,15 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
             enforce_eager=True,
             gpu_memory_utilization=0.3,
         )
-        outs = llm.chat(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+        # A final assistant message is continued, as TRL's chat helper does.
+        prefill = prompts[0][-1]["role"] == "assistant"
+        outs = llm.chat(
+            prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True,
+            add_generation_prompt=not prefill, continue_final_message=prefill,
+        )  # fmt: skip
         return [list(o.outputs[0].token_ids) for o in outs]
     import torch
+    from trl.data_utils import maybe_apply_chat_template
 
     from trl_dart_es.embedded import load_model, load_tokenizer
 
@@ -52,10 +59,7 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
     tok.padding_side = "left"
     ids = []
     for start in range(0, len(prompts), 64):
-        texts = [
-            tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-            for p in prompts[start : start + 64]
-        ]
+        texts = [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in prompts[start : start + 64]]
         batch = tok(texts, return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(
@@ -70,7 +74,9 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=256, help="held-out prompts")
-    parser.add_argument("--max-tokens", type=int, default=max(LENGTHS))
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=list(LENGTHS), help="completion limits to score"
+    )
     parser.add_argument("--styles", nargs="+", default=list(PROMPT_STYLES))
     parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "prompt_probe"))
     args = parser.parse_args()
@@ -82,9 +88,9 @@ def main() -> None:
     results = []
     for style in args.styles:
         data = make_synthetic_gsm8k(args.prompts, split="test", prompt_style=style)
-        token_ids = generate(list(data["prompt"]), args.max_tokens, model_dir)
+        token_ids = generate(list(data["prompt"]), max(args.lengths), model_dir)
         levels = np.asarray(data["level"])
-        for length in LENGTHS:
+        for length in args.lengths:
             cut = [ids[:length] for ids in token_ids]
             texts = [tok.decode(ids, skip_special_tokens=True) for ids in cut]
             hit = np.asarray([len(ids) >= length and tok.eos_token_id not in ids for ids in cut])
@@ -101,7 +107,7 @@ def main() -> None:
     meta = {
         "machine": machine_description(),
         "prompts": args.prompts,
-        "command": "python benchmarks/prompt_probe.py",
+        "command": "python " + " ".join(["benchmarks/prompt_probe.py", *sys.argv[1:]]),
     }
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": results}, indent=1) + "\n")
     lines = [

@@ -175,3 +175,16 @@ def test_prompt_styles_change_only_the_system_prompt():
     assert hub_like["prompt"][0][0]["content"] == PROMPT_STYLES["brief"]
     with pytest.raises(ValueError, match="'terse'"):
         make_synthetic_gsm8k(2, split="test", prompt_style="terse")
+
+
+def test_held_out_wording_never_reaches_the_train_split():
+    from trl_dart_es.tasks.gsm8k import HELD_OUT_PHRASES, wording_of
+
+    train = make_synthetic_gsm8k(400, split="train", seed=0)
+    test = make_synthetic_gsm8k(400, split="test", seed=0)
+    assert set(train["wording"]) == {"seen"}
+    assert not any(phrase in q for q in train["question"] for phrase in HELD_OUT_PHRASES)
+    # The test split keeps both kinds, labelled by the phrases they use.
+    assert [wording_of(q) for q in test["question"]] == test["wording"]
+    held_out = test["wording"].count("held_out")
+    assert 0.05 * len(test) < held_out < 0.5 * len(test)

@@ -346,7 +346,7 @@ def test_save_model_writes_card_and_reloads(tmp_path, tiny_lm, tokenizer):
         assert torch.equal(p, q), n
 
 
-def test_evaluation_reports_clipped_ratio_and_accuracy_per_level(tmp_path, tiny_lm, tokenizer):
+def test_evaluation_reports_clipped_ratio_and_accuracy_per_level_and_wording(tmp_path, tiny_lm, tokenizer):
     from trl_dart_es.rollout.base import Generation
 
     eos = tokenizer.eos_token_id
@@ -354,6 +354,7 @@ def test_evaluation_reports_clipped_ratio_and_accuracy_per_level(tmp_path, tiny_
     assert gen.num_clipped(3, [eos]) == 1  # only the row that reached 3 tokens without EOS
 
     rows = _dataset(6).add_column("level", [1, 2, 1, 2, 1, 3])
+    rows = rows.add_column("wording", ["seen", "held_out", "seen", "seen", "held_out", "seen"])
     trainer = _trainer(tmp_path, tiny_lm, tokenizer, per_device_eval_batch_size=4)
     metrics = trainer.evaluate_dataset(rows)
     out = trainer.rollout.generate(rows["prompt"])
@@ -363,4 +364,7 @@ def test_evaluation_reports_clipped_ratio_and_accuracy_per_level(tmp_path, tiny_
     levels = np.asarray(rows["level"])
     for level in (1, 2, 3):
         assert metrics[f"eval_accuracy/level{level}"] == pytest.approx(solved[levels == level].mean())
+    wording = np.asarray(rows["wording"])
+    for value in ("seen", "held_out"):
+        assert metrics[f"eval_accuracy/wording_{value}"] == pytest.approx(solved[wording == value].mean())
     assert "eval_accuracy/level1" not in trainer.evaluate_dataset(_dataset(3))  # no level column, no split

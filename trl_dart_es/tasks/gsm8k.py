@@ -34,7 +34,11 @@ PROMPT_STYLES: dict[str, str] = {
     ),
     "equation": "Write one equation that solves the problem, then #### followed by the final number.",
     "answer": "Give only the final answer, written as #### followed by the number. Do not explain.",
+    "direct": "Give only the final answer: one number.",
 }
+# Styles whose prompt also starts the assistant's turn: the model continues after this text (TRL's chat
+# helper continues a final assistant message), so a "direct" completion is just the number.
+ASSISTANT_PREFIXES: dict[str, str] = {"direct": "####"}
 
 
 def format_gsm8k_prompt(
@@ -46,10 +50,11 @@ def format_gsm8k_prompt(
     """
     if style not in PROMPT_STYLES:
         raise ValueError(f"Unknown prompt style {style!r}; choose from {sorted(PROMPT_STYLES)}.")
-    system = PROMPT_STYLES[style]
+    system, prefix = PROMPT_STYLES[style], ASSISTANT_PREFIXES.get(style)
     if conversational:
-        return [{"role": "system", "content": system}, {"role": "user", "content": question.strip()}]
-    return f"{system}\n\nQuestion: {question.strip()}\nAnswer:"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question.strip()}]
+        return messages + ([{"role": "assistant", "content": prefix}] if prefix else [])
+    return f"{system}\n\nQuestion: {question.strip()}\nAnswer:" + (f" {prefix}" if prefix else "")
 
 
 _HASH_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
@@ -128,6 +133,16 @@ DEFAULT_LEVEL_RANGES: dict[int, tuple[int, int]] = {1: (10, 9), 2: (12, 9), 3: (
 # ES only learns from problems that some population member solves.
 DEFAULT_LEVEL_WEIGHTS: dict[int, float] = {1: 2.0, 2: 1.0, 3: 1.0}
 _FACTORS = (2, 3, 4, 5)
+
+
+# Phrasings that never appear in the train split: accuracy on test problems worded with them
+# (`wording == "held_out"`) shows whether a gain is skill or the generator's wording.
+HELD_OUT_PHRASES: tuple[str, ...] = (" finds ", " for a school project")
+
+
+def wording_of(question: str) -> str:
+    """Return "held_out" if the question uses a phrasing kept out of the train split, else "seen"."""
+    return "held_out" if any(phrase in question for phrase in HELD_OUT_PHRASES) else "seen"
 
 
 def _split_of(question: str) -> str:
@@ -220,7 +235,8 @@ def make_synthetic_gsm8k(
 
     Deterministic in (seed, split). Each split owns a disjoint slice of the question-text hash space, so no
     question appears in two splits. Columns: `prompt`, `answer`, `id`, `question`, `solution` (worked
-    steps ending in `#### N`), `level` (the number of operations, the difficulty knob).
+    steps ending in `#### N`), `level` (the number of operations, the difficulty knob), `wording` ("seen", or
+    "held_out" for questions using `HELD_OUT_PHRASES`, which the train split never contains).
 
     Args:
         num_examples: rows to generate.
@@ -262,6 +278,9 @@ def make_synthetic_gsm8k(
         problem = _generate_problem(rng, level, *ranges[level])
         if problem["question"] in seen or _split_of(problem["question"]) != split:
             continue
+        wording = wording_of(problem["question"])
+        if split == "train" and wording == "held_out":
+            continue
         seen.add(problem["question"])
         index = len(rows)
         rows.append(
@@ -274,6 +293,7 @@ def make_synthetic_gsm8k(
                 "question": problem["question"],
                 "solution": problem["solution"],
                 "level": problem["level"],
+                "wording": wording,
             }
         )
     return Dataset.from_list(rows)

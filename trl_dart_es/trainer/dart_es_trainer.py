@@ -43,6 +43,9 @@ else:  # pragma: no cover
 DART_STATE_NAME = "dart_es_state.json"
 MASTER_WEIGHTS_NAME = "dart_es_master.safetensors"
 ID_COLUMN = "id"
+# Dataset columns whose values split the held-out accuracy (the offline tasks have them):
+# column -> metric label, e.g. eval_accuracy/level2, eval_accuracy/wording_held_out.
+_ACCURACY_GROUPS = {"level": "level", "wording": "wording_"}
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -494,7 +497,8 @@ class DartESTrainer(_BaseTrainer):
             columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
             gen = self.rollout.generate(columns["prompt"])
             clipped = gen.num_clipped(self.args.max_completion_length, self.eos_token_ids)
-            local.append((self._score(columns, [gen], 1), gen.num_tokens, clipped, columns.get("level")))
+            groups = {c: columns[c] for c in _ACCURACY_GROUPS if c in columns}
+            local.append((self._score(columns, [gen], 1), gen.num_tokens, clipped, groups))
         if world > 1:
             what = f"evaluation ({metric_key_prefix})"
             per_rank = gather_object_with_timeout(local, timeout=self.args.ddp_timeout, what=what)
@@ -514,11 +518,13 @@ class DartESTrainer(_BaseTrainer):
         rows_seen = max(1, rewards.shape[1])
         metrics[f"{metric_key_prefix}_completions/mean_length"] = tokens / rows_seen
         metrics[f"{metric_key_prefix}_completions/clipped_ratio"] = sum(part[2] for part in parts) / rows_seen
-        # Accuracy per difficulty level, where the rows have one (the offline tasks do).
-        if parts and all(part[3] is not None for part in parts):
-            levels = np.asarray([lv for part in parts for lv in part[3]])
-            for level in sorted(set(levels.tolist())):
-                metrics[f"{metric_key_prefix}_accuracy/level{level}"] = float(solved[levels == level].mean())
+        # Accuracy per difficulty level and per wording (seen in training or held out), where the rows say.
+        for column, label in _ACCURACY_GROUPS.items():
+            if not parts or not all(column in part[3] for part in parts):
+                continue
+            values = np.asarray([v for part in parts for v in part[3][column]])
+            for value in sorted(set(values.tolist())):
+                metrics[f"{metric_key_prefix}_accuracy/{label}{value}"] = float(solved[values == value].mean())
         return metrics
 
     # --------------------------------------------------------------------------------- checkpoint / resume

@@ -1,0 +1,298 @@
+"""The learning study behind the defaults: which settings make DART-ES learn on the embedded model.
+
+    python benchmarks/study.py --variants lr-answer32 --seeds 0      # screen one variant on one seed
+    python benchmarks/study.py --variants lr-answer32 --seeds 0 1 2  # confirm (finished runs are skipped)
+    python benchmarks/study.py --report                              # redraw docs/benchmarks/study.{json,md,png}
+
+Every variant is the demo recipe (recipes/configs/quickstart.yaml) with the overrides in `VARIANTS`, trained
+for the same number of rollouts (steps x N x B) unless the variant says otherwise. Held-out: greedy accuracy
+of the unperturbed model on `--eval-prompts` test prompts (disjoint from train), in the variant's prompt style
+and completion length, at step 0 and every `--eval-every` steps. `train_seconds` counts ES steps only, not
+evaluation. Each finished (variant, seed) is written to docs/benchmarks/study_runs/ at once, so an
+interrupted study loses at most the run in progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS_DIR = ROOT / "docs" / "benchmarks" / "study_runs"
+CONFIG = ROOT / "recipes" / "configs" / "quickstart.yaml"
+
+# The settings the quickstart had before this study (full rank, N=8, B=16, 40 tokens, 8 steps).
+_OLD_QUICKSTART = {
+    "perturbation": "full", "population_size": 8, "per_device_train_batch_size": 16, "max_completion_length": 40,
+    "sigma": 2e-3, "learning_rate": 1e-3, "max_steps": 8, "prompt_style": "steps",
+}  # fmt: skip
+_LOWRANK = {
+    "perturbation": "lowrank",
+    "perturbation_rank": 1,
+    "population_size": 8,
+    "per_device_train_batch_size": 8,
+}
+
+# name -> overrides of quickstart.yaml (plus `prompt_style`, a dataset option).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "old-quickstart": _OLD_QUICKSTART,
+    # Screens at 30 steps x 64 rollouts (= 1,920 rollouts), low rank.
+    "lr-steps48": {**_OLD_QUICKSTART, **_LOWRANK, "max_completion_length": 48, "max_steps": 30},
+    "lr-answer32": {
+        **_OLD_QUICKSTART,
+        **_LOWRANK,
+        "max_completion_length": 32,
+        "max_steps": 30,
+        "prompt_style": "answer",
+    },  # fmt: skip
+}
+_ANSWER32 = VARIANTS["lr-answer32"]
+VARIANTS.update(
+    {
+        # More, antithetic members on fewer problems each: the same 64 rollouts per step.
+        "lr-answer32-n16b4-anti": {
+            **_ANSWER32, "population_size": 16, "per_device_train_batch_size": 4, "antithetic": True
+        },
+        "lr-answer32-n16b4-anti-lr2": {
+            **_ANSWER32, "population_size": 16, "per_device_train_batch_size": 4, "antithetic": True,
+            "learning_rate": 2e-3,
+        },
+        "lr-answer32-rank": {**_ANSWER32, "fitness_shaping": "rank"},
+        "lr-answer24": {**_ANSWER32, "max_completion_length": 24},
+    }
+)  # fmt: skip
+# The same, generating with vLLM (each member a LoRA adapter, the population in one generate): about twice
+# the steps per minute, so these runs get an equal TRAIN-TIME budget instead of a step count.
+_VLLM = {"use_vllm": True, "vllm_cpu_kvcache_space": 1, "budget_minutes": 12}
+VARIANTS.update(
+    {
+        "vl-answer32": {**_ANSWER32, **_VLLM},
+        "vl-answer32-n32b8-anti": {
+            **_ANSWER32, **_VLLM, "population_size": 32, "per_device_train_batch_size": 8, "antithetic": True,
+        },
+        "vl-answer64-n16b8-anti": {
+            **_ANSWER32, **_VLLM, "population_size": 16, "per_device_train_batch_size": 8, "antithetic": True,
+            "max_completion_length": 64,
+        },
+    }
+)  # fmt: skip
+
+
+def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {"variant": VARIANTS[name], "eval_prompts": args.eval_prompts, "eval_every": args.eval_every}
+
+
+class _TrainClock:
+    """A callback: seconds spent inside ES steps, and the step-end times, without evaluation; it stops
+    training (after a last evaluation) once `budget_s` train seconds are spent."""
+
+    def __new__(cls, budget_s: float | None = None):
+        from transformers import TrainerCallback
+
+        class Clock(TrainerCallback):
+            def __init__(self):
+                self.total, self._t0, self.at_step = 0.0, None, {}
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self._t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.total += time.perf_counter() - self._t0
+                self.at_step[state.global_step] = self.total
+                if budget_s is not None and self.total >= budget_s:
+                    control.should_evaluate = True
+                    control.should_training_stop = True
+
+        return Clock()
+
+
+def baseline_path(variant: dict[str, Any], eval_prompts: int) -> Path:
+    key = f"{variant.get('prompt_style', 'steps')}-len{variant['max_completion_length']}-n{eval_prompts}"
+    return RUNS_DIR / f"baseline-{key}.json"
+
+
+def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one (variant, seed) run; return its held-out accuracy curve against steps and train seconds."""
+    from trl_dart_es import DartESTrainer
+    from trl_dart_es.benchmark import machine_description, parse_recipe_config, task_reward_funcs
+    from trl_dart_es.tasks import load_task_dataset
+    from trl_dart_es.trainer import DartESConfig
+
+    variant = dict(VARIANTS[name])
+    style = variant.pop("prompt_style", "steps")
+    if "budget_minutes" in variant:
+        variant["max_steps"] = 10_000  # the clock stops the run
+    with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
+        values = {
+            **variant, "seed": seed, "output_dir": out, "eval_strategy": "steps", "eval_steps": args.eval_every,
+            "per_device_eval_batch_size": 64, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+            "disable_tqdm": True,
+        }  # fmt: skip
+        script_args, cfg, model_args = parse_recipe_config(DartESConfig, CONFIG, values)
+        cfg.model_init_kwargs = {"dtype": model_args.dtype or "float32"}
+        train = load_task_dataset(script_args.dataset_name, "train", prompt_style=style)
+        held_out = load_task_dataset(
+            script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts
+        )
+        budget = variant.pop("budget_minutes", None)
+        clock = _TrainClock(budget * 60 if budget else None)
+        trainer = DartESTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=task_reward_funcs(script_args.dataset_name),
+            args=cfg,
+            train_dataset=train,
+            eval_dataset=held_out,
+            callbacks=[clock],
+        )
+        base_file = baseline_path(VARIANTS[name], args.eval_prompts)
+        if base_file.is_file():
+            at_start = json.loads(base_file.read_text())
+        else:  # greedy evaluation of the untrained model is deterministic: cache it
+            at_start = trainer.evaluate_dataset(held_out)
+            base_file.write_text(json.dumps(at_start, indent=1) + "\n")
+        started = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - started
+        history = trainer.state.log_history
+    points = [{"step": 0, "train_seconds": 0.0, "accuracy": at_start["eval_accuracy"]}]
+    for e in history:
+        if "eval_accuracy" in e:
+            step = int(e["step"])
+            points.append(
+                {"step": step, "train_seconds": clock.at_step[step], "accuracy": e["eval_accuracy"]}
+            )
+    train_log = [
+        {k: e[k] for k in ("step", "reward", "rewards/gsm8k_format_reward/mean", "completions/mean_length",
+                           "dart/solved_by_none") if k in e}
+        for e in history if "reward" in e
+    ]  # fmt: skip
+    del trainer
+    gc.collect()
+    return {
+        "variant": name, "seed": seed, "settings": _settings(name, args), "points": points,
+        "train_seconds": clock.total, "wall_s": wall, "train_log": train_log, "machine": machine_description(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }  # fmt: skip
+
+
+def run_path(name: str, seed: int) -> Path:
+    return RUNS_DIR / f"{name}-seed{seed}.json"
+
+
+def load_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    runs = []
+    for path in sorted(RUNS_DIR.glob("*-seed*.json")):
+        run = json.loads(path.read_text())
+        if run["variant"] in VARIANTS and run["settings"] == _settings(run["variant"], args):
+            runs.append(run)
+    return runs
+
+
+# Student-t 0.975 quantiles by degrees of freedom (scipy is not a dependency).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def t_interval(diffs: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t-interval of paired differences (nan bounds with fewer than 2)."""
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan, math.nan
+    half = _T975.get(len(diffs) - 1, 2.2) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
+
+
+def report(args: argparse.Namespace) -> None:
+    runs = load_runs(args)
+    if not runs:
+        print("no finished runs", file=sys.stderr)
+        return
+    rows = []
+    for name in VARIANTS:
+        mine = [r for r in runs if r["variant"] == name]
+        if not mine:
+            continue
+        gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in mine]
+        mean, lo, hi = t_interval(gains)
+        v = VARIANTS[name]
+        rows.append({
+            "variant": name, "seeds": sorted(r["seed"] for r in mine),
+            "acc_start": mine[0]["points"][0]["accuracy"],
+            "acc_final_mean": statistics.fmean(r["points"][-1]["accuracy"] for r in mine),
+            "gain_mean": mean, "gain_ci95": [lo, hi], "gains": gains,
+            "train_min": statistics.fmean(r["train_seconds"] for r in mine) / 60,
+            "steps": statistics.fmean(r["points"][-1]["step"] for r in mine),
+            "rollouts": mine[0]["points"][-1]["step"] * v["population_size"] * v["per_device_train_batch_size"],
+        })  # fmt: skip
+    out = ROOT / "docs" / "benchmarks" / "study"
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1) + "\n")
+    lines = [
+        "# Learning study: what makes DART-ES learn on the embedded model",
+        "",
+        f"Held-out: greedy accuracy on {args.eval_prompts} test prompts (one prompt = "
+        f"{100 / args.eval_prompts:.2f} points). Command: `python benchmarks/study.py --variants ... --seeds ...`;"
+        f" runs in `docs/benchmarks/study_runs/`. Machine: {runs[0]['machine']}; last run "
+        f"{max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured while other jobs"
+        " shared the 2 cores, so compare them only roughly.",
+        "",
+        "| variant | seeds | rollouts | acc. step 0 | final (mean) | gain (mean) | gain 95% CI | gains per seed | train min |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for r in rows:
+        ci = (
+            "n/a"
+            if math.isnan(r["gain_ci95"][0])
+            else f"[{100 * r['gain_ci95'][0]:+.1f}, {100 * r['gain_ci95'][1]:+.1f}]"
+        )
+        lines.append(
+            f"| {r['variant']} | {', '.join(map(str, r['seeds']))} | {r['rollouts']} | {100 * r['acc_start']:.1f}% "
+            f"| {100 * r['acc_final_mean']:.1f}% | {100 * r['gain_mean']:+.1f} | {ci} "
+            f"| {', '.join(f'{100 * g:+.1f}' for g in r['gains'])} | {r['train_min']:.1f} |"
+        )
+    lines += ["", "Variants (overrides of recipes/configs/quickstart.yaml):", ""]
+    lines += [
+        f"- `{name}`: `{json.dumps(VARIANTS[name])}`"
+        for name in VARIANTS
+        if any(r["variant"] == name for r in rows)
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(out.with_suffix(".md").read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=[], choices=list(VARIANTS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--eval-prompts", type=int, default=256)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--report", action="store_true", help="only rebuild the report")
+    args = p.parse_args(argv)
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    for name in [] if args.report else args.variants:
+        for seed in args.seeds:
+            path = run_path(name, seed)
+            if path.is_file() and json.loads(path.read_text())["settings"] == _settings(name, args):
+                print(f"skip {name} seed {seed}: finished")
+                continue
+            print(f"run {name} seed {seed} ...", flush=True)
+            result = run_one(name, seed, args)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+            tmp.replace(path)
+            curve = ", ".join(f"{p['step']}:{100 * p['accuracy']:.1f}%" for p in result["points"])
+            print(
+                f"done {name} seed {seed}: {curve} ({result['train_seconds'] / 60:.1f} train min)", flush=True
+            )
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
