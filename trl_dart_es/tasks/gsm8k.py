@@ -94,7 +94,11 @@ def to_trl_format(
 
 
 def load_gsm8k(
-    split: str = "train", *, conversational: bool = True, prompt_style: str = "steps", **load_dataset_kwargs: Any
+    split: str = "train",
+    *,
+    conversational: bool = True,
+    prompt_style: str = "steps",
+    **load_dataset_kwargs: Any,
 ) -> Dataset:
     """The real GSM8K (`openai/gsm8k`, config "main") from the Hugging Face Hub, in TRL's format."""
     from datasets import load_dataset

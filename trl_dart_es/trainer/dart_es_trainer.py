@@ -524,7 +524,9 @@ class DartESTrainer(_BaseTrainer):
                 continue
             values = np.asarray([v for part in parts for v in part[3][column]])
             for value in sorted(set(values.tolist())):
-                metrics[f"{metric_key_prefix}_accuracy/{label}{value}"] = float(solved[values == value].mean())
+                metrics[f"{metric_key_prefix}_accuracy/{label}{value}"] = float(
+                    solved[values == value].mean()
+                )
         return metrics
 
     # --------------------------------------------------------------------------------- checkpoint / resume
