@@ -64,7 +64,7 @@ __all__ = [
     "main",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG_DIR = REPO_ROOT / "recipes" / "configs"
 LAUNCH_CONFIG_DIR = REPO_ROOT / "recipes" / "accelerate_configs"
 DEFAULT_OUTPUT_DIR = Path("docs") / "benchmarks"
@@ -283,7 +283,7 @@ def load_split(name: str, split: str):
         from datasets import load_from_disk
 
         return load_from_disk(name)[split]
-    from .tasks import load_task_dataset
+    from ..tasks import load_task_dataset
 
     return load_task_dataset(name, split)
 
@@ -291,10 +291,10 @@ def load_split(name: str, split: str):
 def task_reward_funcs(dataset_name: str) -> list[Callable]:
     """The task's reward functions, primary (correctness) first; GSM8K's for a local dataset folder."""
     if not os.path.isdir(dataset_name):
-        from .tasks import get_task
+        from ..tasks import get_task
 
         return list(get_task(dataset_name).reward_funcs)
-    from .rewards.gsm8k import gsm8k_accuracy_reward, gsm8k_format_reward
+    from ..rewards.gsm8k import gsm8k_accuracy_reward, gsm8k_format_reward
 
     return [gsm8k_accuracy_reward, gsm8k_format_reward]
 
@@ -328,9 +328,9 @@ def evaluate_greedy(
     import numpy as np
     import torch
 
-    from .rollout.prompts import as_completions
-    from .rollout.transformers import TransformersRollout, build_generation_config
-    from .scoring import RewardScorer
+    from ..rollout.prompts import as_completions
+    from ..rollout.transformers import TransformersRollout, build_generation_config
+    from ..scoring import RewardScorer
 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -474,7 +474,7 @@ def _per_step(log_history: list[dict], key: str) -> list[float]:
 def _es_trainer(method: BenchMethod, workload: Workload, out: str, callbacks: list):
     from trl import get_peft_config
 
-    from .trainer import DartESConfig, DartESTrainer
+    from ..trainer import DartESConfig, DartESTrainer
 
     config = _config_path(method, workload)
     values = {
@@ -543,7 +543,7 @@ def _run_inference(
 def _run_grpo(method: BenchMethod, workload: Workload, progress: Callable[[str], None]) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer, get_peft_config
 
-    from .embedded import resolve_model_path
+    from ..embedded import resolve_model_path
 
     config = _config_path(method, workload)
     with tempfile.TemporaryDirectory(prefix=f"bench-{method.name}-") as out:
@@ -624,7 +624,7 @@ def _baseline(workload: Workload, progress: Callable[[str], None]) -> dict[str, 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .embedded import resolve_model_path
+    from ..embedded import resolve_model_path
 
     progress("loading")
     path = resolve_model_path(workload.model)
