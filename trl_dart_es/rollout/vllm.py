@@ -29,10 +29,11 @@ from __future__ import annotations
 import atexit
 import gc
 import inspect
+import logging
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from .prompts import render_prompts
 
 __all__ = [
     "VLLMRollout",
+    "cpu_threads_for_engine",
     "engine_weights",
     "is_vllm_available",
     "sampling_params_kwargs",
@@ -70,6 +72,7 @@ _MAPPED_GENERATION_KEYS = {
     "pad_token_id",
 }
 _SEED_MOD = 2**63
+logger = logging.getLogger(__name__)
 
 
 def is_vllm_available() -> bool:
@@ -213,6 +216,90 @@ def _checksum(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[str, .
     return tuple(n for n, _ in weights), sums
 
 
+# ------------------------------------------------------------------------------------------------ threads
+# Torch intra-op threads of a process running vLLM on CPU when `DartESConfig.vllm_cpu_threads` is None:
+# None means the process's whole share of the cores (C // P); vLLM's CPU worker would leave 1. Chosen by
+# measurement: benchmarks/vllm_threads.py, docs/vllm.md "Threads".
+_DEFAULT_CPU_THREADS: int | None = None
+# Where launchers put the number of processes on this node (torchrun/accelerate, then MPI flavours).
+_LOCAL_WORLD_SIZE_ENV = (
+    "LOCAL_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+)
+# vLLM marks the OMP_NUM_THREADS it sets for its own worker processes; only a user's (or launcher's) counts.
+_OMP_SET_BY_VLLM = "VLLM_OMP_NUM_THREADS_SET_BY_VLLM"
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # honours taskset / cpusets, unlike os.cpu_count()
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def get_local_world_size(world_size: int = 1, environ: Mapping[str, str] | None = None) -> int:
+    """Processes sharing this node: the launcher's ``LOCAL_WORLD_SIZE`` (or MPI's), else ``world_size``
+    (an unknown layout is treated as every process on this node, the safe side for threads)."""
+    environ = os.environ if environ is None else environ
+    for key in _LOCAL_WORLD_SIZE_ENV:
+        try:
+            value = int(environ.get(key, ""))
+        except ValueError:
+            continue
+        if value >= 1:
+            return value
+    return max(1, int(world_size))
+
+
+def cpu_threads_for_engine(
+    requested: int | None = None,
+    *,
+    local_world_size: int = 1,
+    cores: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int | None:
+    """Torch threads for a process that runs a vLLM engine on CPU, or None to leave them as they are.
+
+    * ``OMP_NUM_THREADS`` set by the user or the launcher: None. It wins over everything (vLLM honours it too);
+      a different ``requested`` is logged as ignored.
+    * Otherwise ``requested`` (``DartESConfig.vllm_cpu_threads``), or the measured default when None, capped
+      at this process's share of the cores, ``max(1, cores // local_world_size)``: P processes on C cores
+      never use more than C threads together.
+
+    Raises ValueError when ``requested`` is not a positive integer.
+    """
+    if requested is not None and (
+        isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
+    ):
+        raise ValueError(
+            f"vllm_cpu_threads={requested!r} is invalid: use a positive integer, or None for the default "
+            "(this process's share of the cores)"
+        )
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ and environ.get(_OMP_SET_BY_VLLM) != "1":
+        omp = environ["OMP_NUM_THREADS"]
+        if requested is not None and omp.strip() != str(requested):
+            logger.warning(
+                "vllm_cpu_threads=%d is ignored: OMP_NUM_THREADS=%s is set and wins (unset it to use %d)",
+                requested, omp, requested,
+            )  # fmt: skip
+        return None
+    cores = _available_cores() if cores is None else cores
+    share = max(1, int(cores) // max(1, int(local_world_size)))
+    wanted = requested if requested is not None else _DEFAULT_CPU_THREADS
+    if wanted is None:
+        return share
+    if wanted > share:
+        logger.warning(
+            "vllm_cpu_threads=%d is capped at %d: %d processes share %d cores on this node",
+            wanted, share, local_world_size, cores,
+        )  # fmt: skip
+        return share
+    return wanted
+
+
 # ------------------------------------------------------------------------------------------------- engine
 @dataclass
 class _Engine:
@@ -224,6 +311,7 @@ class _Engine:
     on_cpu: bool
     holds: tuple | None = None
     own_process_group: bool = False
+    vllm_threads: int | None = None  # torch threads vLLM left the process with at start (CPU), before ours
     tmpdir: Any = None
     sleeping: bool = False
     stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0})
@@ -268,6 +356,7 @@ def start_engine(
     max_num_seqs: int | None = None,
     max_loras: int = 0,
     max_lora_rank: int = 1,
+    cpu_threads: int | None = None,
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
@@ -278,6 +367,10 @@ def start_engine(
     ``max_loras > 0`` enables vLLM's multi-LoRA batching (``enable_lora=True``) with that many adapters per
     batch, of rank up to ``max_lora_rank`` (rounded up to a rank vLLM accepts): the low-rank population
     backend serves every member as one adapter (:mod:`trl_dart_es.rollout.vllm_lowrank`).
+
+    On CPU, the process's torch threads are then set by :func:`cpu_threads_for_engine` from ``cpu_threads``
+    (``DartESConfig.vllm_cpu_threads``; None: the measured default). vLLM's CPU worker would otherwise leave
+    the whole process, trainer included, on one thread.
     """
     global _ENGINE
     vllm = _require_vllm()
@@ -291,6 +384,12 @@ def start_engine(
     on_cpu = current_platform.is_cpu()
     if on_cpu and enable_sleep_mode:
         raise ValueError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU; set it to False")
+    # Resolved (and validated) before the engine starts: a bad value fails in seconds, not after start-up.
+    threads = (
+        cpu_threads_for_engine(cpu_threads, local_world_size=get_local_world_size(world_size))
+        if on_cpu
+        else None
+    )
     dtype = next(model.parameters()).dtype
     path, tmp = _model_dir_for(model)
     if tmp is None:
@@ -305,6 +404,8 @@ def start_engine(
     if _ENGINE is not None and _ENGINE.key == key:
         if tmp is not None:
             tmp.cleanup()
+        if threads is not None:
+            torch.set_num_threads(threads)
         return _ENGINE
     shutdown_engine()
 
@@ -363,8 +464,19 @@ def start_engine(
         # vLLM's CPU worker disables torch.set_num_threads process-wide (it expects its own bound process);
         # in this shared process the trainer keeps control of its threads.
         torch.set_num_threads = _ORIGINAL_SET_NUM_THREADS
+    vllm_threads = torch.get_num_threads() if on_cpu else None
+    if threads is not None:
+        torch.set_num_threads(threads)
     weight_sync = "reload" if on_cpu else "load_weights"
-    _ENGINE = _Engine(llm, key, weight_sync, on_cpu, tmpdir=tmp, own_process_group=not dist_initialised)
+    _ENGINE = _Engine(
+        llm,
+        key,
+        weight_sync,
+        on_cpu,
+        tmpdir=tmp,
+        own_process_group=not dist_initialised,
+        vllm_threads=vllm_threads,
+    )
     if weight_sync == "reload" and not all(llm.collective_rpc(_can_reload_from_memory)):
         shutdown_engine()
         raise ImportError(
@@ -522,6 +634,7 @@ class VLLMRollout:
             rank=accelerator.process_index,
             local_rank=accelerator.local_process_index,
             world_size=accelerator.num_processes,
+            cpu_threads=args.vllm_cpu_threads,
         )
         return cls(
             trainer.model,

@@ -165,6 +165,7 @@ class VLLMLowRankRollout(VLLMRollout):
             world_size=accelerator.num_processes,
             max_loras=local,
             max_lora_rank=args.perturbation_rank,
+            cpu_threads=args.vllm_cpu_threads,
         )
         return cls(
             trainer.model,

@@ -224,6 +224,15 @@ class DartESConfig(TrainingArguments):
     vllm_cpu_kvcache_space: int = field(
         default=4, metadata={"help": "KV-cache size in GiB for vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)."}
     )
+    vllm_cpu_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Torch threads of each process once its vLLM engine has started on CPU (vLLM alone would "
+            "leave the whole process, trainer included, on 1). None: every core of the process's share, "
+            "cores // processes on this node (measured in docs/vllm.md, 'Threads'). Capped at that "
+            "share. An OMP_NUM_THREADS in the environment always wins (accelerate launch sets it)."
+        },
+    )
 
     # Logging
     log_completions: bool = field(
@@ -301,6 +310,14 @@ class DartESConfig(TrainingArguments):
             raise bad("generation_batch_size", "must be >= 1")
         if self.vllm_mode not in _VLLM_MODES:
             raise bad("vllm_mode", f"only {_VLLM_MODES} is supported: the engine must share the process")
+        if self.vllm_cpu_threads is not None and (
+            isinstance(self.vllm_cpu_threads, bool)
+            or not isinstance(self.vllm_cpu_threads, int)
+            or self.vllm_cpu_threads < 1
+        ):
+            raise bad(
+                "vllm_cpu_threads", "use a positive integer, or None for the default (all cores of the share)"
+            )
         if self.lowrank_targets not in _LOWRANK_TARGETS:
             raise bad("lowrank_targets", f"choose one of {_LOWRANK_TARGETS}")
         if self.lowrank_targets != "auto" and self.perturbation != "lowrank":
