@@ -1,53 +1,74 @@
-"""The benchmark harness: `python -m trl_dart_es.benchmark` (see `run` for what it measures)."""
+"""The benchmark harness: one method registry, one workload and one evaluation for time, memory and accuracy.
 
-from .run import (  # noqa: F401  (re-exported: the names other code imports from trl_dart_es.benchmark)
+    python -m trl_dart_es.benchmark                          # side by side: time/step, peak memory, tokens/s,
+                                                             # accuracy before/after (about 20 min on 2 CPU cores)
+    python -m trl_dart_es.benchmark --full                   # more steps and evaluation prompts
+
+Modules:
+- `methods`: the registry (`METHODS`: which trainer, which recipe config, which overrides make each method);
+- `workload`: what every method is given (`Workload`: model, data, rollouts per step, completion length,
+  held-out set), and the task's data and rewards;
+- `trainers`: the trainers built from a method's recipe config plus the workload;
+- `evaluation`: `evaluate_greedy`, the held-out evaluation every method and mode uses;
+- `run`: each method in its own child process (peak memory, step times), and the side-by-side rows;
+- `report`: latest.{json,md,png} of the side-by-side benchmark;
+- `machine`: the machine a measurement ran on; `cli`: the command line.
+
+Only the standard library is imported at module level: the parent process stays small, and every heavy import
+happens in the child that runs a method.
+"""
+
+from .cli import _parser, main, workload_from_args
+from .evaluation import evaluate_greedy, evaluate_trainer, evaluate_workload
+from .machine import cpu_model, machine_description
+from .methods import DEFAULT_METHODS, METHODS, BenchMethod, _installed
+from .report import ROW_KEYS, _add_relative, merge_rows, plot_results, render_markdown, write_reports
+from .run import RUNNERS, _launch_command, _row, peak_memory, run_benchmark, summarize_run
+from .trainers import _micro_batch, parse_recipe_config
+from .workload import (
     DEFAULT_CONFIG_DIR,
-    DEFAULT_METHODS,
     DEFAULT_OUTPUT_DIR,
     FULL,
     LAUNCH_CONFIG_DIR,
-    METHODS,
     REPO_ROOT,
-    ROW_KEYS,
-    RUNNERS,
     SHORT,
-    BenchMethod,
     Workload,
-    _add_relative,
-    _installed,
-    _launch_command,
-    _micro_batch,
-    _parser,
-    _row,
-    cpu_model,
-    evaluate_greedy,
+    held_out_set,
     load_split,
-    machine_description,
-    main,
-    merge_rows,
-    parse_recipe_config,
-    plot_results,
-    render_markdown,
-    run_benchmark,
-    summarize_run,
     task_reward_funcs,
-    workload_from_args,
-    write_reports,
 )
 
 __all__ = [
     "BenchMethod",
-    "METHODS",
+    "DEFAULT_CONFIG_DIR",
     "DEFAULT_METHODS",
+    "DEFAULT_OUTPUT_DIR",
+    "FULL",
+    "LAUNCH_CONFIG_DIR",
+    "METHODS",
+    "REPO_ROOT",
+    "ROW_KEYS",
+    "RUNNERS",
+    "SHORT",
     "Workload",
+    "cpu_model",
     "evaluate_greedy",
+    "evaluate_trainer",
+    "evaluate_workload",
+    "held_out_set",
     "load_split",
-    "parse_recipe_config",
-    "task_reward_funcs",
-    "run_benchmark",
-    "summarize_run",
-    "render_markdown",
-    "plot_results",
     "machine_description",
     "main",
+    "merge_rows",
+    "parse_recipe_config",
+    "peak_memory",
+    "plot_results",
+    "render_markdown",
+    "run_benchmark",
+    "summarize_run",
+    "task_reward_funcs",
+    "workload_from_args",
+    "write_reports",
 ]
+# Private names kept importable for the tests and older callers.
+_PRIVATE = (_add_relative, _installed, _launch_command, _micro_batch, _parser, _row)

@@ -1,0 +1,181 @@
+"""Trainers built the way the recipes build them: a method's recipe config, parsed by TRL's parser, with the
+workload (and any per-run overrides) applied on top. Every mode of the harness trains through these builders."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .methods import BenchMethod
+from .workload import Workload, _config_path, load_split, task_reward_funcs
+
+
+def _cli(values: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def parse_recipe_config(config_cls: type, config: str | Path | None, values: dict[str, Any]) -> tuple:
+    """(ScriptArguments, config, ModelConfig) exactly as a recipe's TrlParser builds them from `config` (a YAML
+    file, or None for the defaults), with `values` applied on top as command-line overrides.
+
+    The ScriptArguments also accept the task options of recipes/dart_es_gsm8k.py (`prompt_style`,
+    `eval_num_examples`), so a recipe config that sets them parses here too.
+    """
+    from trl import ModelConfig, TrlParser
+
+    args = (["--config", str(config)] if config else []) + _cli(values)
+    return TrlParser((_task_arguments(), config_cls, ModelConfig)).parse_args_and_config(args)
+
+
+@functools.cache
+def _task_arguments() -> type:
+    """TRL's ScriptArguments plus the recipe's two task options (built on first use: TRL is a heavy import)."""
+    from dataclasses import dataclass, field
+
+    from trl import ScriptArguments
+
+    @dataclass
+    class TaskArguments(ScriptArguments):
+        prompt_style: str | None = field(
+            default=None, metadata={"help": "System prompt style of the task (trl_dart_es.tasks.gsm8k)."}
+        )
+        eval_num_examples: int | None = field(
+            default=None, metadata={"help": "Held-out prompts to generate (offline tasks only)."}
+        )
+
+    return TaskArguments
+
+
+def _use_cuda(workload: Workload) -> bool:
+    import torch
+
+    if workload.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but CUDA is not available")
+    return workload.device == "cuda" or (workload.device == "auto" and torch.cuda.is_available())
+
+
+def _common_values(workload: Workload, output_dir: str) -> dict[str, Any]:
+    """The recipe-config fields that every method shares: the workload's model, data, length, steps, seed."""
+    return {
+        "model_name_or_path": workload.model,
+        "dtype": workload.dtype,
+        "dataset_name": workload.dataset,
+        "dataset_train_split": workload.train_split,
+        "dataset_test_split": workload.test_split,
+        "output_dir": output_dir,
+        "max_completion_length": workload.max_completion_length,
+        "max_steps": workload.steps,
+        "seed": workload.seed,
+        "use_cpu": not _use_cuda(workload),
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+    }
+
+
+def _micro_batch(total: int, preferred: int) -> int:
+    """The largest divisor of `total` that is at most `preferred`: GRPO's per-device batch (in completions)."""
+    return max(d for d in range(1, min(total, max(1, preferred)) + 1) if total % d == 0)
+
+
+def _per_step(log_history: list[dict], key: str) -> list[float]:
+    return [float(e[key]) for e in log_history if key in e and "step" in e and not math.isnan(float(e[key]))]
+
+
+def es_trainer(
+    method: BenchMethod,
+    workload: Workload,
+    out: str,
+    callbacks: list,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Any, str | None]:
+    """A `DartESTrainer` for `method` on `workload` (and `overrides`, recipe-config fields applied last), and the
+    recipe config it was built from."""
+    from trl import get_peft_config
+
+    from ..trainer import DartESConfig, DartESTrainer
+
+    config = _config_path(method, workload)
+    values = {
+        **method.overrides,
+        **_common_values(workload, out),
+        "population_size": workload.population,
+        "per_device_train_batch_size": workload.prompts,
+        "per_device_eval_batch_size": workload.eval_batch_size,
+        **(overrides or {}),
+    }
+    script_args, args, model_args = parse_recipe_config(DartESConfig, config, values)
+    args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(args.model_init_kwargs or {})}
+    train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
+    trainer = DartESTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=task_reward_funcs(script_args.dataset_name),
+        args=args,
+        train_dataset=train,
+        peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
+    )
+    return trainer, config
+
+
+def grpo_trainer(
+    method: BenchMethod,
+    workload: Workload,
+    out: str,
+    callbacks: list,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Any, str | None, dict[str, Any]]:
+    """TRL's `GRPOTrainer` for `method` on `workload`, with gradient accumulation sized so that one optimizer
+    step consumes exactly one generation of N x B completions (the ES step's rollouts); returns the trainer, its
+    recipe config and the batch sizes chosen (`micro_batch`, `gradient_accumulation_steps`)."""
+    from trl import GRPOConfig, GRPOTrainer, get_peft_config
+
+    from ..embedded import resolve_model_path
+
+    config = _config_path(method, workload)
+    overrides = dict(overrides or {})
+    # Peek at the config's micro-batch, then size gradient accumulation so that one optimizer step consumes
+    # exactly one generation of prompts x num_generations completions.
+    _, peek, _ = parse_recipe_config(GRPOConfig, config, {"output_dir": out, "bf16": False, **overrides})
+    total = workload.rollouts_per_step
+    # On P processes (a `launch` row) each process takes total / P completions per optimizer step.
+    processes = _world_size()
+    micro = _micro_batch(total // processes, peek.per_device_train_batch_size)
+    values = {
+        **method.overrides,
+        **_common_values(workload, out),
+        "num_generations": workload.population,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": total // (micro * processes),
+    }
+    if not _use_cuda(workload):
+        values["bf16"] = False  # GRPOConfig turns bf16 on by default; on CPU it is ~4x slower than fp32
+    overrides.pop("per_device_train_batch_size", None)  # already in `micro`
+    script_args, args, model_args = parse_recipe_config(GRPOConfig, config, {**values, **overrides})
+    args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(args.model_init_kwargs or {})}
+    train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
+    trainer = GRPOTrainer(
+        model=resolve_model_path(model_args.model_name_or_path),
+        reward_funcs=task_reward_funcs(script_args.dataset_name),
+        args=args,
+        train_dataset=train,
+        peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
+    )
+    batches = {"micro_batch": micro, "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    return trainer, config, batches
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
