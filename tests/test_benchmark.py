@@ -1,4 +1,4 @@
-"""The side-by-side benchmark harness (trl_dart_es.benchmark), the learning benchmark and the baseline configs."""
+"""The side-by-side benchmark harness (trl_dart_es.benchmark) and the baseline configs (curves: test_curves.py)."""
 
 import json
 import os
@@ -303,32 +303,6 @@ def test_benchmark_end_to_end_on_a_tiny_model(tmp_path, tiny_model_and_data):
         "Rollout throughput against pure batched inference" in md
         and "- `dart-es-lowrank`: whole ES step" in md
     )
-
-
-@pytest.mark.slow
-def test_learning_benchmark_runs_in_pieces(tmp_path, tiny_model_and_data):
-    model_dir, data_dir = tiny_model_and_data
-    common = [sys.executable, "benchmarks/learning.py", "--model", model_dir, "--dataset", data_dir, "--steps", "3",
-              "--eval-every", "2", "--eval-prompts", "4", "--population", "2", "--prompts", "2",
-              "--max-completion-length", "4", "--runs-dir", str(tmp_path / "runs"), "--output-dir",
-              str(tmp_path / "report"), "--image", str(tmp_path / "report" / "learning.png")]  # fmt: skip
-    _run([*common, "--methods", "dart-es", "--seeds", "0", "1"], timeout=600)
-    first = (tmp_path / "runs" / "dart-es-seed0.json").stat().st_mtime_ns
-    proc = _run([*common, "--seeds", "0", "1"], timeout=600)  # only the two ES runs are new
-    assert proc.stdout.count("skip dart-es") == 2 and proc.stdout.count("run es seed") == 2
-    assert (tmp_path / "runs" / "dart-es-seed0.json").stat().st_mtime_ns == first
-
-    report = json.loads((tmp_path / "report" / "learning.json").read_text())
-    assert set(report["summary"]) == {"dart-es", "es"}
-    for run in report["runs"]:
-        assert [step for step, _ in run["curve"]] == [
-            0,
-            2,
-            3,
-        ]  # before training, every 2 steps, the last step
-    assert report["summary"]["es"]["seeds"] == [0, 1]
-    assert "| dart-es | 0, 1 |" in (tmp_path / "report" / "learning.md").read_text()
-    assert (tmp_path / "report" / "learning.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ------------------------------------------------------------------------------ two-process rows (issue 14)

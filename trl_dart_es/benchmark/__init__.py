@@ -3,6 +3,7 @@
     python -m trl_dart_es.benchmark                          # side by side: time/step, peak memory, tokens/s,
                                                              # accuracy before/after (about 20 min on 2 CPU cores)
     python -m trl_dart_es.benchmark --full                   # more steps and evaluation prompts
+    python -m trl_dart_es.benchmark --curves                 # held-out accuracy against training time, 3 seeds
 
 Modules:
 - `methods`: the registry (`METHODS`: which trainer, which recipe config, which overrides make each method);
@@ -12,6 +13,8 @@ Modules:
 - `evaluation`: `evaluate_greedy`, the held-out evaluation every method and mode uses;
 - `run`: each method in its own child process (peak memory, step times), and the side-by-side rows;
 - `report`: latest.{json,md,png} of the side-by-side benchmark;
+- `curves`: `--curves`, accuracy against a training-time budget (`run_curve`) and its report;
+- `stats`: paired t-intervals and the bootstrap, without scipy;
 - `machine`: the machine a measurement ran on; `cli`: the command line.
 
 Only the standard library is imported at module level: the parent process stays small, and every heavy import
@@ -19,11 +22,26 @@ happens in the child that runs a method.
 """
 
 from .cli import _parser, main, workload_from_args
+from .curves import (
+    CURVES,
+    CurveClock,
+    curve_run_path,
+    curve_settings,
+    finished_run,
+    load_curve_runs,
+    parse_overrides,
+    plot_curves,
+    render_curves_markdown,
+    run_curve,
+    summarize_curves,
+    write_curve_report,
+)
 from .evaluation import evaluate_greedy, evaluate_trainer, evaluate_workload
 from .machine import cpu_model, machine_description
-from .methods import DEFAULT_METHODS, METHODS, BenchMethod, _installed
+from .methods import CURVE_METHODS, DEFAULT_METHODS, METHODS, BenchMethod, _installed
 from .report import ROW_KEYS, _add_relative, merge_rows, plot_results, render_markdown, write_reports
 from .run import RUNNERS, _launch_command, _row, peak_memory, run_benchmark, summarize_run
+from .stats import bootstrap_interval, paired_t_interval, t_quantile
 from .trainers import _micro_batch, parse_recipe_config
 from .workload import (
     DEFAULT_CONFIG_DIR,
@@ -40,6 +58,9 @@ from .workload import (
 
 __all__ = [
     "BenchMethod",
+    "CURVES",
+    "CURVE_METHODS",
+    "CurveClock",
     "DEFAULT_CONFIG_DIR",
     "DEFAULT_METHODS",
     "DEFAULT_OUTPUT_DIR",
@@ -51,23 +72,36 @@ __all__ = [
     "RUNNERS",
     "SHORT",
     "Workload",
+    "bootstrap_interval",
     "cpu_model",
+    "curve_run_path",
+    "curve_settings",
     "evaluate_greedy",
     "evaluate_trainer",
     "evaluate_workload",
+    "finished_run",
     "held_out_set",
+    "load_curve_runs",
     "load_split",
     "machine_description",
     "main",
     "merge_rows",
+    "paired_t_interval",
+    "parse_overrides",
     "parse_recipe_config",
     "peak_memory",
+    "plot_curves",
     "plot_results",
+    "render_curves_markdown",
     "render_markdown",
     "run_benchmark",
+    "run_curve",
+    "summarize_curves",
     "summarize_run",
+    "t_quantile",
     "task_reward_funcs",
     "workload_from_args",
+    "write_curve_report",
     "write_reports",
 ]
 # Private names kept importable for the tests and older callers.

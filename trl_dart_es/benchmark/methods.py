@@ -1,4 +1,4 @@
-"""The method registry: every row of the benchmark is a `BenchMethod`."""
+"""The method registry: every row of the side-by-side benchmark and every curve of `--curves` is a `BenchMethod`."""
 
 from __future__ import annotations
 
@@ -154,6 +154,10 @@ def _installed(modules: Sequence[str]) -> bool:
 DEFAULT_METHODS: tuple[str, ...] = tuple(
     name for name, m in METHODS.items() if m.default and _installed(m.requires)
 )
+
+
+# `--curves` compares these by default: DART-ES (the demo config), plain ES, and the two GRPO baselines.
+CURVE_METHODS: tuple[str, ...] = ("dart-es", "es", "grpo", "grpo-lora")
 
 
 def _missing_requirements(method: BenchMethod) -> list[str]:

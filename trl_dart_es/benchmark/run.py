@@ -2,7 +2,8 @@
 parent; the side-by-side benchmark (`run_benchmark`) is one row per method.
 
 The parent writes a spec file and starts `python -m trl_dart_es.benchmark --child <spec>` (under `accelerate
-launch` for a multi-process row); the child trains, writes its result file and exits.
+launch` for a multi-process row); the child trains, writes its result file and exits. A spec with
+`"mode": "curve"` runs one accuracy-vs-time curve instead (`trl_dart_es.benchmark.curves`).
 """
 
 from __future__ import annotations
@@ -189,7 +190,11 @@ def _child_main(spec_path: str) -> int:
             progress_path.write_text(text)
 
     started = time.perf_counter()
-    if spec["method"] == "_baseline":
+    if spec.get("mode") == "curve":
+        from .curves import curve_child
+
+        result = curve_child(spec, workload, progress)
+    elif spec["method"] == "_baseline":
         result = _baseline(workload, progress)
     else:
         method = METHODS[spec["method"]]
