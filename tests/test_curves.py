@@ -201,6 +201,21 @@ def test_step0_cache_is_keyed_by_the_held_out_rows_and_the_backend(tmp_path, mon
     assert curves._step0_cache_path(trainer, local, "es", _split(4, "test")) is None
 
 
+def test_an_es_trainer_on_vllm_evaluates_through_its_engine():
+    """With use_vllm, DART-ES's curve points come from DartESTrainer.evaluate_dataset, keys as evaluate_greedy's."""
+    from trl_dart_es.benchmark.evaluation import evaluate_trainer
+
+    data = _split(3, "test")
+    seen = []
+    trainer = SimpleNamespace(
+        es_params=SimpleNamespace(is_perturbed=False),
+        args=SimpleNamespace(use_vllm=True),
+        evaluate_dataset=lambda d: seen.append(d) or {"eval_accuracy": 0.5, "eval_accuracy/level1": 1.0},
+    )
+    got = evaluate_trainer(trainer, bench.SHORT, data, vllm_path=True)
+    assert got == {"accuracy": 0.5, "accuracy/level1": 1.0} and seen == [data]
+
+
 # ------------------------------------------------------------------------------- end to end on a tiny model
 def _split(n, split):
     return Dataset.from_dict(

@@ -25,6 +25,7 @@ from .cli import _parser, main, workload_from_args
 from .curves import (
     CURVES,
     CurveClock,
+    curve_capable,
     curve_run_path,
     curve_settings,
     finished_run,
@@ -74,6 +75,7 @@ __all__ = [
     "Workload",
     "bootstrap_interval",
     "cpu_model",
+    "curve_capable",
     "curve_run_path",
     "curve_settings",
     "evaluate_greedy",

@@ -27,6 +27,7 @@ from .curves import (
     DEFAULT_IMAGE,
     DEFAULT_RUNS_DIR,
     DEFAULT_SEEDS,
+    curve_capable,
     curves_main,
 )
 from .methods import CURVE_METHODS, DEFAULT_METHODS, METHODS
@@ -157,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
     default = CURVE_METHODS if args.curves else DEFAULT_METHODS
     if args.methods is None:
         methods = list(default)
-    elif args.methods == "all":
-        methods = list(METHODS)
+    elif args.methods == "all":  # with --curves: every method that can run as a curve
+        methods = [m for m in METHODS if not args.curves or curve_capable(m)]
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     workload = workload_from_args(args)

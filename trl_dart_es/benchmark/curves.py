@@ -38,6 +38,7 @@ from .workload import DEFAULT_OUTPUT_DIR, REPO_ROOT, Workload, _config_path
 __all__ = [
     "CURVES",
     "CurveClock",
+    "curve_capable",
     "curve_settings",
     "curve_run_path",
     "finished_run",
@@ -173,6 +174,13 @@ class CurveClock:
 
 
 # ----------------------------------------------------------------------------------------- settings
+def curve_capable(method: str) -> bool:
+    """Whether `method` can run as a curve: it trains (ES or GRPO) in one process (the budget's clock and the
+    stop are per process)."""
+    m = METHODS[method]
+    return m.kind in ("es", "grpo") and m.launch is None
+
+
 def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, Any]]:
     """`--set` items, `key=value` (every method) or `method:key=value` (one method), the value parsed as a YAML
     scalar (`0.003`, `1e-3`, `true`, `lowrank`); returns {"*": {...}, "<method>": {...}}."""
@@ -405,9 +413,9 @@ def run_curve(
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    bench = METHODS[method]
-    if bench.kind not in ("es", "grpo") or bench.launch is not None:
+    if not curve_capable(method):
         raise ValueError(f"{method}: curves need a single-process training method (es or grpo kind)")
+    bench = METHODS[method]
     if tag is not None and not _TAG.match(tag):
         raise ValueError(f"tag {tag!r}: use letters, digits, '.', '_' and '-' only")
     settings = curve_settings(method, workload, budget_s, eval_at_s, overrides, tag)
@@ -753,6 +761,9 @@ def curves_main(
     unknown = [m for m in [*methods, *(k for k in parsed if k != "*")] if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    unable = [m for m in methods if not curve_capable(m)]
+    if unable:
+        raise SystemExit(f"--curves trains single-process ES or GRPO methods only, not {', '.join(unable)}")
     if args.tag is not None and not _TAG.match(args.tag):
         raise SystemExit(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' only")
     budget_s = 60 * args.budget_minutes
