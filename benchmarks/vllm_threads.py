@@ -1,7 +1,7 @@
 """vLLM on CPU: 1 against 2 torch threads, on both vLLM ES paths, interleaved so that machine noise cancels.
 
-vLLM's CPU worker sets torch to 1 intra-op thread when it starts in-process (unless OMP_NUM_THREADS is set),
-and the trainer shares that process. This probe measures which count to keep. Workload: the quickstart one
+The vLLM engine runs inside the trainer's process on CPU, so both share torch's intra-op threads (vLLM's own
+serving default is 1 thread). This probe measures which count the process should use. Workload: the quickstart one
 (embedded SmolLM2-135M, fp32, N = 8 members x B = 8 GSM8K prompts, 40 new tokens, greedy). Every row decodes
 exactly 40 tokens (`min_tokens`), so every run does the same work. Per path, one engine; the thread counts
 alternate within it (1, 2 / 2, 1 / ...), `--repeats` rounds after one warm-up per count. Each run times
@@ -91,7 +91,9 @@ if __name__ == "__main__":  # vLLM may spawn helpers that import this script
     runs: dict[str, dict[int, list[dict]]] = {}
     threads_after_start: dict[str, dict] = {}
     handover: dict[str, list[dict]] = {}
+    machine_threads = torch.get_num_threads()
     for path in args.paths:
+        torch.set_num_threads(machine_threads)  # every engine starts from the same count
         if path == "full":  # one weight push per member, one generate of B rows per member
             engine = start_engine(model, cpu_kvcache_space=1, max_model_len=1024)
             params = EvolvedParameters(model, args.sigma, cache_noise=False)
@@ -147,11 +149,16 @@ if __name__ == "__main__":  # vLLM may spawn helpers that import this script
                 generate_s_median=gen,
                 generate_cpu_s_median=statistics.median(x["generate_cpu_s"] for x in rs),
                 update_s_median=statistics.median(x["update_s"] for x in rs),
+                step_s_median=statistics.median(x["generate_s"] + x["update_s"] for x in rs),
                 tokens=rs[0]["tokens"],
                 tokens_per_s=rs[0]["tokens"] / gen,
             )
-        best = min(by_threads, key=lambda k: summary[path][str(k)]["generate_s_median"])
-        summary[path]["fastest_threads"] = best
+        summary[path]["fastest_generate_threads"] = min(
+            by_threads, key=lambda k: summary[path][str(k)]["generate_s_median"]
+        )
+        summary[path]["fastest_step_threads"] = min(
+            by_threads, key=lambda k: summary[path][str(k)]["step_s_median"]
+        )
     import vllm
 
     result = {
@@ -178,6 +185,7 @@ if __name__ == "__main__":  # vLLM may spawn helpers that import this script
             repeats=args.repeats,
             order="interleaved, reversed every round",
         ),  # fmt: skip
+        "torch_threads_before_engine_start": machine_threads,
         "torch_threads_after_engine_start": threads_after_start,
         "summary": summary,
         "lowrank_handover_s_median": {
@@ -202,24 +210,26 @@ if __name__ == "__main__":  # vLLM may spawn helpers that import this script
             "rounds after one warm-up each; medians. `generate` is `generate_population` (one ES step's "
             "generation); `update` is the ES update that follows it, on the same threads.",
             "",
-            "| path | torch threads | generate s (median) | tokens/s | generate CPU s | update s (median) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            "| path | torch threads | generate s (median) | tokens/s | generate CPU s | update s (median) | generate + update s (median) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for path, s in summary.items():
             for k in args.threads:
                 x = s[str(k)]
                 lines.append(
                     f"| {names[path]} | {k} | {x['generate_s_median']:.2f} | {x['tokens_per_s']:.1f} | "
-                    f"{x['generate_cpu_s_median']:.2f} | {x['update_s_median']:.2f} |"
+                    f"{x['generate_cpu_s_median']:.2f} | {x['update_s_median']:.2f} | {x['step_s_median']:.2f} |"
                 )
         lines.append("")
         for path, s in summary.items():
             lo, hi = s[str(args.threads[0])], s[str(args.threads[-1])]
             lines.append(
                 f"- {names[path]}: {args.threads[-1]} threads take {hi['generate_s_median'] / lo['generate_s_median']:.2f}x "
-                f"the generate time of {args.threads[0]} and {hi['update_s_median'] / lo['update_s_median']:.2f}x the "
-                f"update time; fastest generate: {s['fastest_threads']} threads. Torch threads as vLLM's worker "
-                f"left them: {threads_after_start[path]['vllm']}; as `start_engine`'s default sets them: "
+                f"the generate time of {args.threads[0]}, {hi['update_s_median'] / lo['update_s_median']:.2f}x the "
+                f"update time and {hi['step_s_median'] / lo['step_s_median']:.2f}x generate + update. Fastest: "
+                f"generate on {s['fastest_generate_threads']} thread(s), generate + update on "
+                f"{s['fastest_step_threads']}. Torch threads once vLLM had started (from {machine_threads}): "
+                f"{threads_after_start[path]['vllm']}; then set by `start_engine`'s default: "
                 f"{threads_after_start[path]['default']}."
             )  # fmt: skip
         for how, x in result["lowrank_handover_s_median"].items():

@@ -217,10 +217,11 @@ def _checksum(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[str, .
 
 
 # ------------------------------------------------------------------------------------------------ threads
-# Torch intra-op threads of a process running vLLM on CPU when `DartESConfig.vllm_cpu_threads` is None:
-# None means the process's whole share of the cores (C // P); vLLM's CPU worker would leave 1. Chosen by
-# measurement: benchmarks/vllm_threads.py, docs/vllm.md "Threads".
-_DEFAULT_CPU_THREADS: int | None = None
+# Torch intra-op threads of a process running vLLM on CPU when `DartESConfig.vllm_cpu_threads` is None, per
+# path; None means the process's whole share of the cores (C // P). Measured with benchmarks/vllm_threads.py
+# (docs/vllm.md "Threads", 2 cores): the adapters' batched generate is ~10% faster on 1 thread than on 2 and
+# its update is tiny; the full-rank path's ES update is ~45% faster on 2 threads and its generate is the same.
+_DEFAULT_CPU_THREADS: dict[str, int | None] = {"full": None, "lowrank": 1}
 # Where launchers put the number of processes on this node (torchrun/accelerate, then MPI flavours).
 _LOCAL_WORLD_SIZE_ENV = (
     "LOCAL_WORLD_SIZE",
@@ -256,6 +257,7 @@ def get_local_world_size(world_size: int = 1, environ: Mapping[str, str] | None 
 def cpu_threads_for_engine(
     requested: int | None = None,
     *,
+    lowrank: bool = False,
     local_world_size: int = 1,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
@@ -264,9 +266,10 @@ def cpu_threads_for_engine(
 
     * ``OMP_NUM_THREADS`` set by the user or the launcher: None. It wins over everything (vLLM honours it too);
       a different ``requested`` is logged as ignored.
-    * Otherwise ``requested`` (``DartESConfig.vllm_cpu_threads``), or the measured default when None, capped
-      at this process's share of the cores, ``max(1, cores // local_world_size)``: P processes on C cores
-      never use more than C threads together.
+    * Otherwise ``requested`` (``DartESConfig.vllm_cpu_threads``), or when None the measured default of the
+      path: 1 for the low-rank path (``lowrank=True``: members as LoRA adapters), the whole share for the
+      full-rank path. Always capped at this process's share of the cores, ``max(1, cores // local_world_size)``:
+      P processes on C cores never use more than C threads together.
 
     Raises ValueError when ``requested`` is not a positive integer.
     """
@@ -275,7 +278,7 @@ def cpu_threads_for_engine(
     ):
         raise ValueError(
             f"vllm_cpu_threads={requested!r} is invalid: use a positive integer, or None for the default "
-            "(this process's share of the cores)"
+            "(the measured default)"
         )
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" in environ and environ.get(_OMP_SET_BY_VLLM) != "1":
@@ -288,7 +291,7 @@ def cpu_threads_for_engine(
         return None
     cores = _available_cores() if cores is None else cores
     share = max(1, int(cores) // max(1, int(local_world_size)))
-    wanted = requested if requested is not None else _DEFAULT_CPU_THREADS
+    wanted = requested if requested is not None else _DEFAULT_CPU_THREADS["lowrank" if lowrank else "full"]
     if wanted is None:
         return share
     if wanted > share:
@@ -311,7 +314,7 @@ class _Engine:
     on_cpu: bool
     holds: tuple | None = None
     own_process_group: bool = False
-    vllm_threads: int | None = None  # torch threads vLLM left the process with at start (CPU), before ours
+    vllm_threads: int | None = None  # torch threads the process had once vLLM started (CPU), before ours
     tmpdir: Any = None
     sleeping: bool = False
     stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0})
@@ -368,9 +371,9 @@ def start_engine(
     batch, of rank up to ``max_lora_rank`` (rounded up to a rank vLLM accepts): the low-rank population
     backend serves every member as one adapter (:mod:`trl_dart_es.rollout.vllm_lowrank`).
 
-    On CPU, the process's torch threads are then set by :func:`cpu_threads_for_engine` from ``cpu_threads``
-    (``DartESConfig.vllm_cpu_threads``; None: the measured default). vLLM's CPU worker would otherwise leave
-    the whole process, trainer included, on one thread.
+    On CPU, the process's torch threads (the engine's and the trainer's: they share the process) are then set
+    by :func:`cpu_threads_for_engine` from ``cpu_threads`` (``DartESConfig.vllm_cpu_threads``; None: the
+    measured default of the path, ``max_loras > 0`` being the low-rank one).
     """
     global _ENGINE
     vllm = _require_vllm()
@@ -386,7 +389,9 @@ def start_engine(
         raise ValueError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU; set it to False")
     # Resolved (and validated) before the engine starts: a bad value fails in seconds, not after start-up.
     threads = (
-        cpu_threads_for_engine(cpu_threads, local_world_size=get_local_world_size(world_size))
+        cpu_threads_for_engine(
+            cpu_threads, lowrank=max_loras > 0, local_world_size=get_local_world_size(world_size)
+        )
         if on_cpu
         else None
     )
@@ -462,7 +467,8 @@ def start_engine(
         llm = vllm.LLM(**engine_kwargs)
     finally:
         # vLLM's CPU worker disables torch.set_num_threads process-wide (it expects its own bound process);
-        # in this shared process the trainer keeps control of its threads.
+        # in this shared process the trainer keeps control of its threads. (vLLM 0.32 also asks for 1 thread
+        # when it loads the model, but through the disabled function: the count it leaves is the one it found.)
         torch.set_num_threads = _ORIGINAL_SET_NUM_THREADS
     vllm_threads = torch.get_num_threads() if on_cpu else None
     if threads is not None:

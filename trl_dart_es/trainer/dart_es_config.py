@@ -227,10 +227,11 @@ class DartESConfig(TrainingArguments):
     vllm_cpu_threads: int | None = field(
         default=None,
         metadata={
-            "help": "Torch threads of each process once its vLLM engine has started on CPU (vLLM alone would "
-            "leave the whole process, trainer included, on 1). None: every core of the process's share, "
-            "cores // processes on this node (measured in docs/vllm.md, 'Threads'). Capped at that "
-            "share. An OMP_NUM_THREADS in the environment always wins (accelerate launch sets it)."
+            "help": "Torch threads of each process once its vLLM engine has started on CPU (the engine and the "
+            "trainer share them). None: the measured default, 1 with perturbation='lowrank' (the adapters' "
+            "batched generate is faster on 1) and the process's share of the cores, cores // processes on this "
+            "node, with 'full' (its ES update is faster on more); docs/vllm.md, 'Threads'. Capped at that share. "
+            "An OMP_NUM_THREADS in the environment always wins (accelerate launch sets it)."
         },
     )
 
@@ -315,9 +316,7 @@ class DartESConfig(TrainingArguments):
             or not isinstance(self.vllm_cpu_threads, int)
             or self.vllm_cpu_threads < 1
         ):
-            raise bad(
-                "vllm_cpu_threads", "use a positive integer, or None for the default (all cores of the share)"
-            )
+            raise bad("vllm_cpu_threads", "use a positive integer, or None for the measured default")
         if self.lowrank_targets not in _LOWRANK_TARGETS:
             raise bad("lowrank_targets", f"choose one of {_LOWRANK_TARGETS}")
         if self.lowrank_targets != "auto" and self.perturbation != "lowrank":
