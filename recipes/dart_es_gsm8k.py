@@ -70,7 +70,7 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
             + (" ('before' from cache)" if cached else "")
         )
         print(f"{'held-out metric':<{width}} {'before':>8} {'after':>8}")
-        for key in before:
+        for key in [k for k in before if k in after]:
             print(f"{key:<{width}} {before[key]:>8.3f} {after[key]:>8.3f}")
         gain = 100 * (after["eval_accuracy"] - before["eval_accuracy"])
         print(
