@@ -72,7 +72,7 @@ VARIANTS.update(
 )  # fmt: skip
 # The same, generating with vLLM (each member a LoRA adapter, the population in one generate): about twice
 # the steps per minute, so these runs get an equal TRAIN-TIME budget instead of a step count.
-_VLLM = {"use_vllm": True, "vllm_cpu_kvcache_space": 1, "budget_minutes": 12}
+_VLLM = {"use_vllm": True, "vllm_cpu_kvcache_space": 1, "budget_minutes": 8}
 VARIANTS.update(
     {
         "vl-answer32": {**_ANSWER32, **_VLLM},
@@ -82,6 +82,10 @@ VARIANTS.update(
         "vl-answer64-n16b8-anti": {
             **_ANSWER32, **_VLLM, "population_size": 16, "per_device_train_batch_size": 8, "antithetic": True,
             "max_completion_length": 64,
+        },
+        "vl-answer32-n16b8-anti-lr2": {
+            **_ANSWER32, **_VLLM, "population_size": 16, "per_device_train_batch_size": 8, "antithetic": True,
+            "learning_rate": 2e-3,
         },
     }
 )  # fmt: skip
@@ -129,7 +133,8 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
     variant = dict(VARIANTS[name])
     style = variant.pop("prompt_style", "steps")
-    if "budget_minutes" in variant:
+    budget = variant.pop("budget_minutes", None)
+    if budget:
         variant["max_steps"] = 10_000  # the clock stops the run
     with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
         values = {
@@ -143,7 +148,6 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         held_out = load_task_dataset(
             script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts
         )
-        budget = variant.pop("budget_minutes", None)
         clock = _TrainClock(budget * 60 if budget else None)
         trainer = DartESTrainer(
             model=model_args.model_name_or_path,
@@ -197,20 +201,9 @@ def load_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-# Student-t 0.975 quantiles by degrees of freedom (scipy is not a dependency).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def t_interval(diffs: list[float]) -> tuple[float, float, float]:
-    """Mean and 95% t-interval of paired differences (nan bounds with fewer than 2)."""
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return mean, math.nan, math.nan
-    half = _T975.get(len(diffs) - 1, 2.2) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return mean, mean - half, mean + half
-
-
 def report(args: argparse.Namespace) -> None:
+    from trl_dart_es.benchmark.stats import paired_t_interval
+
     runs = load_runs(args)
     if not runs:
         print("no finished runs", file=sys.stderr)
@@ -221,7 +214,7 @@ def report(args: argparse.Namespace) -> None:
         if not mine:
             continue
         gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in mine]
-        mean, lo, hi = t_interval(gains)
+        mean, lo, hi = paired_t_interval(gains)
         v = VARIANTS[name]
         rows.append({
             "variant": name, "seeds": sorted(r["seed"] for r in mine),
