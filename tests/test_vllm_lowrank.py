@@ -256,14 +256,14 @@ def test_embedded_model_64_prompts_same_greedy_completions_on_both_backends(embe
 
 
 @requires_vllm
-def test_engine_start_sets_the_lowrank_default_threads(embedded_lora_engine):
-    """The real CPU worker disables torch.set_num_threads; start_engine restores it and applies the low-rank
-    path's default (1 thread, docs/vllm.md "Threads") unless OMP_NUM_THREADS is set."""
+def test_engine_start_sets_the_default_threads(embedded_lora_engine):
+    """The real CPU worker disables torch.set_num_threads; start_engine restores it and applies the default
+    (the process's share of the cores, docs/vllm.md "Threads") unless OMP_NUM_THREADS is set."""
     _, _, engine = embedded_lora_engine
     if not engine.on_cpu:
         pytest.skip("threads are only set on CPU")
     assert torch.set_num_threads is vllm_rollout._ORIGINAL_SET_NUM_THREADS
-    expected = vllm_rollout.cpu_threads_for_engine(None, lowrank=True)
+    expected = vllm_rollout.cpu_threads_for_engine(None)
     assert torch.get_num_threads() == (engine.vllm_threads if expected is None else expected)
 
 

@@ -2,8 +2,8 @@
 
 The engine and the trainer share the process's torch threads. vLLM's CPU worker disables `torch.set_num_threads`
 process-wide (and its request for 1 thread goes through the disabled function); `start_engine` restores the
-function and applies `cpu_threads_for_engine`'s count: by default 1 on the low-rank path, the process's share of
-the cores on the full-rank path (measured: docs/vllm.md, "Threads"). No vLLM needed: the policy is a pure
+function and applies `cpu_threads_for_engine`'s count: by default the process's share of the cores (measured:
+docs/vllm.md, "Threads"). No vLLM needed: the policy is a pure
 function, and `start_engine` runs against a stand-in `vllm` module that does what the CPU worker does.
 """
 
@@ -26,22 +26,14 @@ NO_ENV: dict[str, str] = {}
     "cores, processes, expected",
     [(2, 1, 2), (2, 2, 1), (8, 3, 2), (16, 4, 4), (2, 3, 1), (1, 1, 1)],
 )
-def test_full_rank_default_is_the_process_share_of_the_cores(cores, processes, expected):
+def test_default_is_the_process_share_of_the_cores(cores, processes, expected):
     assert cpu_threads_for_engine(None, local_world_size=processes, cores=cores, environ=NO_ENV) == expected
-
-
-@pytest.mark.parametrize("cores, processes", [(2, 1), (2, 2), (16, 4), (1, 3)])
-def test_lowrank_default_is_one_thread(cores, processes):
-    got = cpu_threads_for_engine(None, lowrank=True, local_world_size=processes, cores=cores, environ=NO_ENV)
-    assert got == 1
 
 
 def test_a_requested_count_is_kept_within_the_share_and_capped_above_it(caplog):
     assert cpu_threads_for_engine(1, cores=2, environ=NO_ENV) == 1
     assert cpu_threads_for_engine(3, local_world_size=2, cores=8, environ=NO_ENV) == 3
-    assert (
-        cpu_threads_for_engine(2, lowrank=True, cores=2, environ=NO_ENV) == 2
-    )  # a request beats the default
+    assert cpu_threads_for_engine(1, cores=16, environ=NO_ENV) == 1  # a request beats the default
     with caplog.at_level(logging.WARNING, logger=vllm_rollout.__name__):
         assert cpu_threads_for_engine(4, local_world_size=2, cores=4, environ=NO_ENV) == 2
     assert "vllm_cpu_threads=4 is capped at 2" in caplog.text
@@ -50,7 +42,6 @@ def test_a_requested_count_is_kept_within_the_share_and_capped_above_it(caplog):
 def test_omp_num_threads_wins_over_the_default_and_a_requested_count(caplog):
     env = {"OMP_NUM_THREADS": "1"}
     assert cpu_threads_for_engine(None, cores=8, environ=env) is None  # None: leave torch as it is
-    assert cpu_threads_for_engine(None, lowrank=True, cores=8, environ=env) is None
     with caplog.at_level(logging.WARNING, logger=vllm_rollout.__name__):
         assert cpu_threads_for_engine(2, cores=8, environ=env) is None
     assert "vllm_cpu_threads=2 is ignored: OMP_NUM_THREADS=1" in caplog.text
@@ -127,14 +118,13 @@ def cpu_vllm(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_start_engine_on_cpu_applies_the_default_threads_of_each_path(cpu_vllm):
+@pytest.mark.parametrize("max_loras", [0, 2])  # the full-rank and the low-rank (LoRA) engine
+def test_start_engine_on_cpu_applies_the_default_threads(cpu_vllm, max_loras):
     torch.set_num_threads(1)
-    engine = vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1))
+    engine = vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1), max_loras=max_loras)
     assert engine.vllm_threads == 1  # what the process had once the worker started
     assert torch.set_num_threads is vllm_rollout._ORIGINAL_SET_NUM_THREADS
-    assert torch.get_num_threads() == cpu_threads_for_engine(None)  # full rank: this machine's cores
-    vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1), max_loras=2)  # a new engine, with LoRA
-    assert torch.get_num_threads() == 1  # low rank: one thread
+    assert torch.get_num_threads() == cpu_threads_for_engine(None)  # this machine's cores
 
 
 def test_start_engine_on_cpu_applies_a_requested_count(cpu_vllm):

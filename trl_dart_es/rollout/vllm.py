@@ -217,11 +217,11 @@ def _checksum(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[str, .
 
 
 # ------------------------------------------------------------------------------------------------ threads
-# Torch intra-op threads of a process running vLLM on CPU when `DartESConfig.vllm_cpu_threads` is None, per
-# path; None means the process's whole share of the cores (C // P). Measured with benchmarks/vllm_threads.py
-# (docs/vllm.md "Threads", 2 cores): the adapters' batched generate is ~10% faster on 1 thread than on 2 and
-# its update is tiny; the full-rank path's ES update is ~45% faster on 2 threads and its generate is the same.
-_DEFAULT_CPU_THREADS: dict[str, int | None] = {"full": None, "lowrank": 1}
+# Torch intra-op threads of a process running vLLM on CPU when `DartESConfig.vllm_cpu_threads` is None:
+# None means the process's whole share of the cores (C // P). Measured with benchmarks/vllm_threads.py
+# (docs/vllm.md "Threads", 2 cores): 2 threads against 1 made the low-rank path's generate + update 0.87x as
+# long and the full-rank path's 0.91-0.97x (its ES update alone 0.53-0.80x).
+_DEFAULT_CPU_THREADS: int | None = None
 # Where launchers put the number of processes on this node (torchrun/accelerate, then MPI flavours).
 _LOCAL_WORLD_SIZE_ENV = (
     "LOCAL_WORLD_SIZE",
@@ -257,7 +257,6 @@ def get_local_world_size(world_size: int = 1, environ: Mapping[str, str] | None 
 def cpu_threads_for_engine(
     requested: int | None = None,
     *,
-    lowrank: bool = False,
     local_world_size: int = 1,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
@@ -266,9 +265,8 @@ def cpu_threads_for_engine(
 
     * ``OMP_NUM_THREADS`` set by the user or the launcher: None. It wins over everything (vLLM honours it too);
       a different ``requested`` is logged as ignored.
-    * Otherwise ``requested`` (``DartESConfig.vllm_cpu_threads``), or when None the measured default of the
-      path: 1 for the low-rank path (``lowrank=True``: members as LoRA adapters), the whole share for the
-      full-rank path. Always capped at this process's share of the cores, ``max(1, cores // local_world_size)``:
+    * Otherwise ``requested`` (``DartESConfig.vllm_cpu_threads``), or when None the measured default: the
+      whole share. Always capped at this process's share of the cores, ``max(1, cores // local_world_size)``:
       P processes on C cores never use more than C threads together.
 
     Raises ValueError when ``requested`` is not a positive integer.
@@ -291,7 +289,7 @@ def cpu_threads_for_engine(
         return None
     cores = _available_cores() if cores is None else cores
     share = max(1, int(cores) // max(1, int(local_world_size)))
-    wanted = requested if requested is not None else _DEFAULT_CPU_THREADS["lowrank" if lowrank else "full"]
+    wanted = requested if requested is not None else _DEFAULT_CPU_THREADS
     if wanted is None:
         return share
     if wanted > share:
@@ -373,7 +371,7 @@ def start_engine(
 
     On CPU, the process's torch threads (the engine's and the trainer's: they share the process) are then set
     by :func:`cpu_threads_for_engine` from ``cpu_threads`` (``DartESConfig.vllm_cpu_threads``; None: the
-    measured default of the path, ``max_loras > 0`` being the low-rank one).
+    measured default, the process's share of the cores).
     """
     global _ENGINE
     vllm = _require_vllm()
@@ -389,9 +387,7 @@ def start_engine(
         raise ValueError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU; set it to False")
     # Resolved (and validated) before the engine starts: a bad value fails in seconds, not after start-up.
     threads = (
-        cpu_threads_for_engine(
-            cpu_threads, lowrank=max_loras > 0, local_world_size=get_local_world_size(world_size)
-        )
+        cpu_threads_for_engine(cpu_threads, local_world_size=get_local_world_size(world_size))
         if on_cpu
         else None
     )

@@ -228,10 +228,9 @@ class DartESConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Torch threads of each process once its vLLM engine has started on CPU (the engine and the "
-            "trainer share them). None: the measured default, 1 with perturbation='lowrank' (the adapters' "
-            "batched generate is faster on 1) and the process's share of the cores, cores // processes on this "
-            "node, with 'full' (its ES update is faster on more); docs/vllm.md, 'Threads'. Capped at that share. "
-            "An OMP_NUM_THREADS in the environment always wins (accelerate launch sets it)."
+            "trainer share them). None: the process's share of the cores, cores // processes on this node (2 "
+            "threads beat 1 on both vLLM paths, docs/vllm.md 'Threads'). Capped at that share. An OMP_NUM_THREADS "
+            "in the environment always wins (accelerate launch sets it)."
         },
     )
 
