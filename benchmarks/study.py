@@ -256,8 +256,32 @@ def report(args: argparse.Namespace) -> None:
         for name in VARIANTS
         if any(r["variant"] == name for r in rows)
     ]
+    lines += ["", "![accuracy against train minutes](study.png)"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(runs, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
+
+
+def _plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Held-out gain against train minutes, one line per (variant, seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        start = run["points"][0]["accuracy"]
+        xs = [p["train_seconds"] / 60 for p in run["points"]]
+        ys = [100 * (p["accuracy"] - start) for p in run["points"]]
+        ax.plot(xs, ys, marker="o", label=f"{run['variant']} s{run['seed']}")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("train minutes (evaluation excluded)")
+    ax.set_ylabel("held-out gain (points)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
