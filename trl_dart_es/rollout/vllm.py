@@ -488,6 +488,30 @@ def start_engine(
     return _ENGINE
 
 
+def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
+    """This process's engine, configured from a `DartESTrainer`'s args (`engine_kwargs` add LoRA slots)."""
+    _require_vllm()
+    args = trainer.args
+    if args.vllm_mode != "colocate":
+        raise ValueError(f"vllm_mode={args.vllm_mode!r}: only 'colocate' is supported")
+    accelerator = trainer.accelerator
+    return start_engine(
+        trainer.model,
+        max_model_len=args.vllm_max_model_length,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        cpu_kvcache_space=args.vllm_cpu_kvcache_space,
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+        rank=accelerator.process_index,
+        local_rank=accelerator.local_process_index,
+        world_size=accelerator.num_processes,
+        cpu_threads=args.vllm_cpu_threads,
+        **engine_kwargs,
+    )
+
+
 # The ranks vLLM's LoRAConfig accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -619,25 +643,8 @@ class VLLMRollout:
     @classmethod
     def from_trainer(cls, trainer, generation_config: GenerationConfig) -> VLLMRollout:
         """The rollout of a `DartESTrainer` with ``use_vllm=True``: starts (or reuses) this process's engine."""
-        _require_vllm()
+        engine = start_engine_for_trainer(trainer)
         args = trainer.args
-        if args.vllm_mode != "colocate":
-            raise ValueError(f"vllm_mode={args.vllm_mode!r}: only 'colocate' is supported")
-        accelerator = trainer.accelerator
-        engine = start_engine(
-            trainer.model,
-            max_model_len=args.vllm_max_model_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            enable_sleep_mode=args.vllm_enable_sleep_mode,
-            cpu_kvcache_space=args.vllm_cpu_kvcache_space,
-            seed=args.seed,
-            trust_remote_code=args.trust_remote_code,
-            rank=accelerator.process_index,
-            local_rank=accelerator.local_process_index,
-            world_size=accelerator.num_processes,
-            cpu_threads=args.vllm_cpu_threads,
-        )
         return cls(
             trainer.model,
             trainer.processing_class,

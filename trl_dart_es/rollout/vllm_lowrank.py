@@ -40,7 +40,7 @@ from transformers import GenerationConfig
 from ..lowrank import LowRankParameters
 from ..noise import Member
 from .base import Generation
-from .vllm import VLLMRollout, _Engine, _is_peft_model, _require_vllm, start_engine
+from .vllm import VLLMRollout, _Engine, _is_peft_model, start_engine_for_trainer
 
 __all__ = ["VLLMLowRankRollout", "member_adapter_tensors"]
 
@@ -145,28 +145,9 @@ class VLLMLowRankRollout(VLLMRollout):
     @classmethod
     def from_trainer(cls, trainer, generation_config: GenerationConfig) -> VLLMLowRankRollout:
         """The rollout of a `DartESTrainer` with ``use_vllm=True, perturbation='lowrank'``."""
-        _require_vllm()
         args = trainer.args
-        if args.vllm_mode != "colocate":
-            raise ValueError(f"vllm_mode={args.vllm_mode!r}: only 'colocate' is supported")
-        accelerator = trainer.accelerator
-        local = math.ceil(args.population_size / accelerator.num_processes)
-        engine = start_engine(
-            trainer.model,
-            max_model_len=args.vllm_max_model_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            enable_sleep_mode=args.vllm_enable_sleep_mode,
-            cpu_kvcache_space=args.vllm_cpu_kvcache_space,
-            seed=args.seed,
-            trust_remote_code=args.trust_remote_code,
-            rank=accelerator.process_index,
-            local_rank=accelerator.local_process_index,
-            world_size=accelerator.num_processes,
-            max_loras=local,
-            max_lora_rank=args.perturbation_rank,
-            cpu_threads=args.vllm_cpu_threads,
-        )
+        local = math.ceil(args.population_size / trainer.accelerator.num_processes)
+        engine = start_engine_for_trainer(trainer, max_loras=local, max_lora_rank=args.perturbation_rank)
         return cls(
             trainer.model,
             trainer.processing_class,
