@@ -139,3 +139,21 @@ class RewardScorer:
                 "(one per completion)."
             )
         return [np.nan if v is None else float(v) for v in values]
+
+
+# Dataset columns whose values split held-out accuracy (the offline tasks have them): column -> metric label,
+# e.g. accuracy/level2, accuracy/wording_held_out.
+ACCURACY_GROUPS: dict[str, str] = {"level": "level", "wording": "wording_"}
+
+
+def accuracy_by_group(solved: np.ndarray, columns: dict[str, Sequence[Any]]) -> dict[str, float]:
+    """Accuracy per value of each `ACCURACY_GROUPS` column in `columns` (one value per row of `solved`):
+    `{"accuracy/level1": ..., "accuracy/wording_seen": ...}`; other columns are ignored."""
+    metrics = {}
+    for column, label in ACCURACY_GROUPS.items():
+        if column not in columns:
+            continue
+        values = np.asarray(columns[column])
+        for value in sorted(set(values.tolist())):
+            metrics[f"accuracy/{label}{value}"] = float(solved[values == value].mean())
+    return metrics

@@ -313,7 +313,7 @@ def curve_child(
     spec: Mapping[str, Any], workload: Workload, progress: Callable[[str], None]
 ) -> dict[str, Any]:
     """In the child process: train one (method, seed) for the budget and return its curve."""
-    from ..trainer.dart_es_trainer import _ACCURACY_GROUPS
+    from ..scoring import ACCURACY_GROUPS
     from .evaluation import evaluate_trainer
     from .trainers import _per_step, es_trainer, grpo_trainer
     from .workload import held_out_set
@@ -334,7 +334,7 @@ def curve_child(
         # How many held-out prompts each group has (a per-level accuracy over few prompts is noisy).
         group_sizes = {
             f"{label}{value}": held_out[column].count(value)
-            for column, label in _ACCURACY_GROUPS.items()
+            for column, label in ACCURACY_GROUPS.items()
             if column in held_out.column_names
             for value in sorted(set(held_out[column]))
         }

@@ -43,8 +43,7 @@ def evaluate_greedy(
 
     from ..rollout.prompts import as_completions
     from ..rollout.transformers import TransformersRollout, build_generation_config
-    from ..scoring import RewardScorer
-    from ..trainer.dart_es_trainer import _ACCURACY_GROUPS
+    from ..scoring import ACCURACY_GROUPS, RewardScorer, accuracy_by_group
 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -71,7 +70,7 @@ def evaluate_greedy(
     was_training = model.training
     model.eval()
     rewards, tokens, gen_time, clipped = [], 0, 0.0, 0
-    groups: dict[str, list] = {c: [] for c in _ACCURACY_GROUPS if c in dataset.column_names}
+    groups: dict[str, list] = {c: [] for c in ACCURACY_GROUPS if c in dataset.column_names}
     try:
         for start in range(0, len(dataset), batch_size):
             columns = dataset.select(range(start, min(start + batch_size, len(dataset)))).to_dict()
@@ -99,11 +98,7 @@ def evaluate_greedy(
     metrics["completions/clipped_ratio"] = clipped / max(1, r.shape[1])
     metrics["tokens_per_s"] = tokens / gen_time if gen_time > 0 else float("nan")
     # Accuracy per difficulty level and per wording (seen in training or held out), as the trainer reports it.
-    for column, values in groups.items():
-        column_values = np.asarray(values)
-        for value in sorted(set(column_values.tolist())):
-            label = _ACCURACY_GROUPS[column]
-            metrics[f"accuracy/{label}{value}"] = float(solved[column_values == value].mean())
+    metrics.update(accuracy_by_group(solved, groups))
     return metrics
 
 

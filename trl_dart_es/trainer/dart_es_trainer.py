@@ -30,7 +30,7 @@ from ..embedded import resolve_model_path
 from ..perturb import EvolvedParameters
 from ..rollout.prompts import as_completions
 from ..rollout.transformers import TransformersRollout, build_generation_config
-from ..scoring import RewardScorer
+from ..scoring import ACCURACY_GROUPS, RewardScorer, accuracy_by_group
 from ..strategy import DartES
 from .dart_es_config import DartESConfig
 
@@ -43,9 +43,6 @@ else:  # pragma: no cover
 DART_STATE_NAME = "dart_es_state.json"
 MASTER_WEIGHTS_NAME = "dart_es_master.safetensors"
 ID_COLUMN = "id"
-# Dataset columns whose values split the held-out accuracy (the offline tasks have them):
-# column -> metric label, e.g. eval_accuracy/level2, eval_accuracy/wording_held_out.
-_ACCURACY_GROUPS = {"level": "level", "wording": "wording_"}
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -497,7 +494,7 @@ class DartESTrainer(_BaseTrainer):
             columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
             gen = self.rollout.generate(columns["prompt"])
             clipped = gen.num_clipped(self.args.max_completion_length, self.eos_token_ids)
-            groups = {c: columns[c] for c in _ACCURACY_GROUPS if c in columns}
+            groups = {c: columns[c] for c in ACCURACY_GROUPS if c in columns}
             local.append((self._score(columns, [gen], 1), gen.num_tokens, clipped, groups))
         if world > 1:
             what = f"evaluation ({metric_key_prefix})"
@@ -518,15 +515,14 @@ class DartESTrainer(_BaseTrainer):
         rows_seen = max(1, rewards.shape[1])
         metrics[f"{metric_key_prefix}_completions/mean_length"] = tokens / rows_seen
         metrics[f"{metric_key_prefix}_completions/clipped_ratio"] = sum(part[2] for part in parts) / rows_seen
-        # Accuracy per difficulty level and per wording (seen in training or held out), where the rows say.
-        for column, label in _ACCURACY_GROUPS.items():
-            if not parts or not all(column in part[3] for part in parts):
-                continue
-            values = np.asarray([v for part in parts for v in part[3][column]])
-            for value in sorted(set(values.tolist())):
-                metrics[f"{metric_key_prefix}_accuracy/{label}{value}"] = float(
-                    solved[values == value].mean()
-                )
+        # Accuracy per difficulty level and per wording (seen in training or held out), where every row says.
+        groups = {
+            c: [v for part in parts for v in part[3][c]]
+            for c in ACCURACY_GROUPS
+            if all(c in part[3] for part in parts)
+        }
+        for key, value in accuracy_by_group(solved, groups).items():
+            metrics[f"{metric_key_prefix}_{key}"] = value
         return metrics
 
     # --------------------------------------------------------------------------------- checkpoint / resume
