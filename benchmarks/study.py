@@ -95,33 +95,26 @@ def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"variant": VARIANTS[name], "eval_prompts": args.eval_prompts, "eval_every": args.eval_every}
 
 
-class _TrainClock:
+def _train_clock(budget_s: float | None = None):
     """A callback: seconds spent inside ES steps, and the step-end times, without evaluation; it stops
     training (after a last evaluation) once `budget_s` train seconds are spent."""
+    from transformers import TrainerCallback
 
-    def __new__(cls, budget_s: float | None = None):
-        from transformers import TrainerCallback
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.total, self._t0, self.at_step = 0.0, None, {}
 
-        class Clock(TrainerCallback):
-            def __init__(self):
-                self.total, self._t0, self.at_step = 0.0, None, {}
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0 = time.perf_counter()
 
-            def on_step_begin(self, args, state, control, **kwargs):
-                self._t0 = time.perf_counter()
+        def on_step_end(self, args, state, control, **kwargs):
+            self.total += time.perf_counter() - self._t0
+            self.at_step[state.global_step] = self.total
+            if budget_s is not None and self.total >= budget_s:
+                control.should_evaluate = True
+                control.should_training_stop = True
 
-            def on_step_end(self, args, state, control, **kwargs):
-                self.total += time.perf_counter() - self._t0
-                self.at_step[state.global_step] = self.total
-                if budget_s is not None and self.total >= budget_s:
-                    control.should_evaluate = True
-                    control.should_training_stop = True
-
-        return Clock()
-
-
-def baseline_path(variant: dict[str, Any], eval_prompts: int) -> Path:
-    key = f"{variant.get('prompt_style', 'steps')}-len{variant['max_completion_length']}-n{eval_prompts}"
-    return RUNS_DIR / f"baseline-{key}.json"
+    return Clock()
 
 
 def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +123,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     from trl_dart_es.benchmark import machine_description, parse_recipe_config, task_reward_funcs
     from trl_dart_es.tasks import load_task_dataset
     from trl_dart_es.trainer import DartESConfig
+    from trl_dart_es.trainer.baseline import evaluate_untrained
 
     variant = dict(VARIANTS[name])
     style = variant.pop("prompt_style", "steps")
@@ -148,7 +142,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         held_out = load_task_dataset(
             script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts
         )
-        clock = _TrainClock(budget * 60 if budget else None)
+        clock = _train_clock(budget * 60 if budget else None)
         trainer = DartESTrainer(
             model=model_args.model_name_or_path,
             reward_funcs=task_reward_funcs(script_args.dataset_name),
@@ -157,12 +151,8 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             eval_dataset=held_out,
             callbacks=[clock],
         )
-        base_file = baseline_path(VARIANTS[name], args.eval_prompts)
-        if base_file.is_file():
-            at_start = json.loads(base_file.read_text())
-        else:  # greedy evaluation of the untrained model is deterministic: cache it
-            at_start = trainer.evaluate_dataset(held_out)
-            base_file.write_text(json.dumps(at_start, indent=1) + "\n")
+        # Greedy evaluation of the untrained model is deterministic: cached, keyed by all that changes it.
+        at_start, _ = evaluate_untrained(trainer, held_out, model_args.model_name_or_path)
         started = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - started
