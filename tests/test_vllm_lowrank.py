@@ -135,36 +135,46 @@ def _vllm_tiny_llama(tokenizer, seed: int = 0):
     return model
 
 
+def _lowrank_trainer(tokenizer, out, use_vllm: bool, **overrides):
+    """DART-ES with rank-r noise on linear weights only (what LoRA carries) on a tiny model, on either backend."""
+    from trl_dart_es import DartESTrainer
+
+    args = tiny_es_config(
+        out,
+        use_vllm=use_vllm,
+        perturbation="lowrank",
+        lowrank_targets="lora",
+        vllm_max_model_length=256,
+        sigma=0.5,
+        **overrides,
+    )
+    return DartESTrainer(
+        model=_vllm_tiny_llama(tokenizer),
+        reward_funcs=[_parity_reward, _length_reward],
+        args=args,
+        train_dataset=toy_dataset(8),
+        processing_class=tokenizer,
+    )
+
+
 @requires_vllm
 def test_a_full_step_gives_the_same_rewards_and_bitwise_the_same_update_on_both_backends(tokenizer, tmp_path):
     """Tiny model, 2 steps: same completions and K x N x B reward matrices on the vLLM (LoRA) and transformers
     low-rank backends with the same perturbed-tensor set, and bitwise the same weights after each update."""
-    from trl_dart_es import DartESTrainer
-
     results = {}
     try:
         for use_vllm in (False, True):
-            args = tiny_es_config(
+            trainer = _lowrank_trainer(
+                tokenizer,
                 tmp_path / f"vllm-{use_vllm}",
-                use_vllm=use_vllm,
-                perturbation="lowrank",
-                lowrank_targets="lora",
+                use_vllm,
                 perturbation_rank=2,
                 vllm_cpu_kvcache_space=1,
-                vllm_max_model_length=256,
                 population_size=4,
                 per_device_train_batch_size=4,
                 max_completion_length=8,
-                sigma=0.5,
                 learning_rate=0.05,
                 max_steps=2,
-            )
-            trainer = DartESTrainer(
-                model=_vllm_tiny_llama(tokenizer),
-                reward_funcs=[_parity_reward, _length_reward],
-                args=args,
-                train_dataset=toy_dataset(8),
-                processing_class=tokenizer,
             )
             seen = {"ids": [], "rewards": []}
             generate, tell = trainer.rollout.generate_population, trainer.strategy.tell
@@ -297,27 +307,15 @@ def test_two_processes_serve_their_members_and_end_bitwise_where_one_ends(tmp_pa
 @requires_cuda
 def test_cuda_step_matches_transformers_lowrank(tokenizer, tmp_path):  # pragma: no cover - no GPU in CI
     """The same step on CUDA: one adapter per member through vLLM's LoRA API, the same rewards as transformers."""
-    from trl_dart_es import DartESTrainer
-
     rewards = {}
     for use_vllm in (False, True):
-        args = tiny_es_config(
+        trainer = _lowrank_trainer(
+            tokenizer,
             tmp_path / f"cuda-{use_vllm}",
-            use_vllm=use_vllm,
+            use_vllm,
             use_cpu=False,
-            perturbation="lowrank",
-            lowrank_targets="lora",
             vllm_gpu_memory_utilization=0.2,
-            vllm_max_model_length=256,
-            sigma=0.5,
             max_steps=1,
-        )
-        trainer = DartESTrainer(
-            model=_vllm_tiny_llama(tokenizer),
-            reward_funcs=[_parity_reward, _length_reward],
-            args=args,
-            train_dataset=toy_dataset(8),
-            processing_class=tokenizer,
         )
         tell = trainer.strategy.tell
 
