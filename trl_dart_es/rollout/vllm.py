@@ -358,6 +358,7 @@ def start_engine(
     max_loras: int = 0,
     max_lora_rank: int = 1,
     cpu_threads: int | None = None,
+    lora_kernel: str = "grouped",
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
@@ -372,6 +373,9 @@ def start_engine(
     On CPU, the process's torch threads (the engine's and the trainer's: they share the process) are then set
     by :func:`cpu_threads_for_engine` from ``cpu_threads`` (``DartESConfig.vllm_cpu_threads``; None: the
     measured default, the process's share of the cores).
+
+    ``lora_kernel`` picks the multi-LoRA ops of a CPU engine: ``"grouped"`` (:mod:`trl_dart_es.rollout.grouped_lora`)
+    or ``"vllm"`` (vLLM's own). It is process-wide and applied at every call, also to a reused engine.
     """
     global _ENGINE
     vllm = _require_vllm()
@@ -383,6 +387,15 @@ def start_engine(
             "own population members, so each engine must hold the whole model (use 1)"
         )
     on_cpu = current_platform.is_cpu()
+    if lora_kernel not in ("grouped", "vllm"):
+        raise ValueError(f"lora_kernel={lora_kernel!r}: choose 'grouped' or 'vllm'")
+    if on_cpu and max_loras > 0:
+        from . import grouped_lora
+
+        if lora_kernel == "grouped":
+            grouped_lora.install()
+        else:
+            grouped_lora.uninstall()
     if on_cpu and enable_sleep_mode:
         raise ValueError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU; set it to False")
     # Resolved (and validated) before the engine starts: a bad value fails in seconds, not after start-up.
@@ -508,6 +521,7 @@ def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
         local_rank=accelerator.local_process_index,
         world_size=accelerator.num_processes,
         cpu_threads=args.vllm_cpu_threads,
+        lora_kernel=args.vllm_lora_kernel,
         **engine_kwargs,
     )
 
