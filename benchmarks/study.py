@@ -89,6 +89,18 @@ VARIANTS.update(
         },
     }
 )  # fmt: skip
+# Plain ES twin of the confirmed DART-ES variant: the two switches off, nothing else changed. Its DART-ES runs
+# were measured before the grouped LoRA ops existed, so the twin keeps vLLM's own ops: the same code per step,
+# the same train-time budget.
+VARIANTS["vl-answer64-n16b8-anti-es"] = {
+    **VARIANTS["vl-answer64-n16b8-anti"], "use_difficulty_reweighting": False, "use_targeted_replay": False,
+    "vllm_lora_kernel": "vllm",
+}  # fmt: skip
+# A 4x larger step. With N = 16 each step moves a weight by about alpha / sqrt(N) = sigma / 8 at alpha = 1e-3, so
+# the ~15 steps of an 8-minute budget move it about 2 sigma at most; this screens whether bigger steps pay.
+VARIANTS["vl-answer64-n16b8-anti-lr4"] = {**VARIANTS["vl-answer64-n16b8-anti"], "learning_rate": 4e-3}
+# (method, its twin): paired by seed in the report.
+PAIRS = [("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es")]
 
 
 def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -216,7 +228,9 @@ def report(args: argparse.Namespace) -> None:
             "rollouts": mine[0]["points"][-1]["step"] * v["population_size"] * v["per_device_train_batch_size"],
         })  # fmt: skip
     out = ROOT / "docs" / "benchmarks" / "study"
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"rows": rows, "pairs": _paired(runs), "runs": runs}, indent=1) + "\n"
+    )
     lines = [
         "# Learning study: what makes DART-ES learn on the embedded model",
         "",
@@ -240,6 +254,23 @@ def report(args: argparse.Namespace) -> None:
             f"| {100 * r['acc_final_mean']:.1f}% | {100 * r['gain_mean']:+.1f} | {ci} "
             f"| {', '.join(f'{100 * g:+.1f}' for g in r['gains'])} | {r['train_min']:.1f} |"
         )
+    pairs = _paired(runs)
+    if pairs:
+        lines += [
+            "",
+            "Paired by seed (final accuracy of the first minus the second; 95% t-interval):",
+            "",
+            "| first | second | seeds | differences | mean | 95% CI | |",
+            "| --- | --- | --- | --- | ---: | --- | --- |",
+        ]
+        for p in pairs:
+            lo, hi = p["ci95"]
+            verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
+            lines.append(
+                f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} "
+                f"| {', '.join(f'{100 * d:+.1f}' for d in p['differences'])} | {100 * p['mean']:+.1f} "
+                f"| [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
+            )
     lines += ["", "Variants (overrides of recipes/configs/quickstart.yaml):", ""]
     lines += [
         f"- `{name}`: `{json.dumps(VARIANTS[name])}`"
@@ -250,6 +281,23 @@ def report(args: argparse.Namespace) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(runs, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
+
+
+def _paired(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each of `PAIRS` with at least 2 common seeds: final-accuracy differences by seed and their t-interval."""
+    from trl_dart_es.benchmark.stats import paired_t_interval
+
+    final = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] for r in runs}
+    out = []
+    for first, second in PAIRS:
+        seeds = sorted(s for (v, s) in final if v == first and (second, s) in final)
+        if len(seeds) < 2:
+            continue
+        diffs = [final[first, s] - final[second, s] for s in seeds]
+        mean, lo, hi = paired_t_interval(diffs)
+        out.append({"first": first, "second": second, "seeds": seeds, "differences": diffs, "mean": mean,
+                    "ci95": [lo, hi]})  # fmt: skip
+    return out
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:

@@ -1,0 +1,83 @@
+"""The grouped multi-LoRA ops against vLLM's own CPU Punica wrapper, on random stacks (milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.lora.layers.utils import LoRAMapping  # noqa: E402
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
+
+from trl_dart_es.rollout import grouped_lora  # noqa: E402
+from trl_dart_es.trainer import DartESConfig  # noqa: E402
+
+MAX_LORAS, FAN_IN = 4, 48
+
+
+@pytest.fixture
+def restore_vllm_ops():
+    was = grouped_lora.installed()
+    yield
+    if was:
+        grouped_lora.install()
+    else:
+        grouped_lora.uninstall()
+
+
+def _stacks(rank: int, fan_outs: tuple[int, ...], generator: torch.Generator):
+    a = tuple(torch.randn(MAX_LORAS, 1, rank, FAN_IN, generator=generator) for _ in fan_outs)
+    b = tuple(torch.randn(MAX_LORAS, 1, out, rank, generator=generator) for out in fan_outs)
+    return a, b
+
+
+def _lora_linear(token_ids: list[int], rank: int, fan_outs: tuple[int, ...], is_prefill: bool, grouped: bool):
+    """One `add_lora_linear` through a real `PunicaWrapperCPU` (vLLM's ops or the grouped ones)."""
+    g = torch.Generator().manual_seed(rank * 100 + len(fan_outs))
+    a, b = _stacks(rank, fan_outs, g)
+    x = torch.randn(len(token_ids), FAN_IN, generator=g)
+    y = torch.randn(len(token_ids), sum(fan_outs), generator=g)
+    if grouped:
+        grouped_lora.install()
+    else:
+        grouped_lora.uninstall()
+    wrapper = PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=8, device="cpu")
+    # Adapter ids 1..MAX_LORAS live in slots 0..MAX_LORAS-1; id 0 means "no adapter".
+    mapping = LoRAMapping(index_mapping=token_ids, prompt_mapping=token_ids, is_prefill=is_prefill)
+    wrapper.update_metadata(mapping, list(range(1, MAX_LORAS + 1)), MAX_LORAS, 1000)
+    wrapper.add_lora_linear(y, x, a, b, 0.5, fan_outs)
+    return y
+
+
+@pytest.mark.parametrize("is_prefill", [True, False], ids=["prefill", "decode"])
+@pytest.mark.parametrize("fan_outs", [(40,), (40, 16, 16)], ids=["one-slice", "qkv-slices"])
+@pytest.mark.parametrize("rank", [1, 8])
+def test_grouped_ops_match_vllms_cpu_punica_wrapper(rank, fan_outs, is_prefill, restore_vllm_ops):
+    tokens = [1, 1, 1, 2, 2, 3, 4, 4, 4, 4, 2, 1]  # every token has an adapter, as in an ES population
+    theirs = _lora_linear(tokens, rank, fan_outs, is_prefill, grouped=False)
+    ours = _lora_linear(tokens, rank, fan_outs, is_prefill, grouped=True)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_tokens_without_an_adapter_get_no_delta(restore_vllm_ops):
+    y = _lora_linear([0, 2, 0, 3, 0, 0], 1, (40,), False, grouped=True)
+    base = _lora_linear([0, 0, 0, 0, 0, 0], 1, (40,), False, grouped=True)  # same x, y, stacks (same seed)
+    assert torch.equal(y[[0, 2, 4, 5]], base[[0, 2, 4, 5]])  # untouched rows
+    assert not torch.equal(y[[1, 3]], base[[1, 3]])  # rows with an adapter got their delta
+
+
+def test_install_and_uninstall_swap_the_wrapper_methods(restore_vllm_ops):
+    grouped_lora.uninstall()
+    original = PunicaWrapperCPU.add_shrink
+    grouped_lora.install()
+    grouped_lora.install()  # idempotent: the originals are kept once
+    assert grouped_lora.installed() and PunicaWrapperCPU.add_shrink is not original
+    grouped_lora.uninstall()
+    assert not grouped_lora.installed() and PunicaWrapperCPU.add_shrink is original
+
+
+def test_config_names_a_bad_lora_kernel(tmp_path):
+    with pytest.raises(ValueError, match="vllm_lora_kernel"):
+        DartESConfig(output_dir=str(tmp_path), vllm_lora_kernel="fast")
+    assert DartESConfig(output_dir=str(tmp_path)).vllm_lora_kernel == "grouped"
