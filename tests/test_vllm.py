@@ -290,6 +290,35 @@ def test_pushed_member_reaches_every_kernel_and_restore_is_exact(embedded):
     assert _prompt_logprob_gap(engine, model, tokenizer, prompts[0]) < 1e-3
 
 
+@requires_vllm
+@requires_embedded
+def test_a_push_after_a_linear_only_update_carries_only_those_modules(embedded):
+    """When only the linear weights changed (low rank on vLLM), the push carries only their modules, and the
+    engine then computes exactly the updated model: its untouched embedding, norms and tied head stay right."""
+    from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
+    from trl_dart_es.noise import population
+
+    model, tokenizer, engine = embedded
+    vllm_r, _, _ = _rollouts(embedded, sigma=0.02, max_new_tokens=8)
+    prompt = load_task_dataset("embedded:gsm8k", "test", num_examples=1)["prompt"][0]
+    names = lora_carried_names(model)
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    vllm_r.sync_weights()  # the engine holds the current weights
+    try:
+        params = LowRankParameters(model, 0.02, rank=1, names=names)
+        params.update(population(7, 4), [1.0, -1.0, 0.5, -0.5], 0.02)
+        assert _prompt_logprob_gap(engine, model, tokenizer, prompt) > 1e-2  # the engine is now stale
+        before = engine.stats["tensors"]
+        assert vllm_r.sync_weights()
+        assert engine.stats["tensors"] - before == len(names) < len(engine_weights(model))
+        assert _prompt_logprob_gap(engine, model, tokenizer, prompt) < 1e-3
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(snapshot[n])
+        vllm_r.sync_weights()
+
+
 def _gsm8k_rewards(gens, rows) -> np.ndarray:
     """K x N x B rewards (accuracy, format) of the members' completions."""
     from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward

@@ -315,7 +315,9 @@ class _Engine:
     vllm_threads: int | None = None  # torch threads the process had once vLLM started (CPU), before ours
     tmpdir: Any = None
     sleeping: bool = False
-    stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0})
+    # The engine model's fused modules ("qkv_proj": ["q_proj", "k_proj", "v_proj"]): loaded as one unit.
+    packed: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0, "tensors": 0})
 
 
 _ENGINE: _Engine | None = None
@@ -492,6 +494,7 @@ def start_engine(
         own_process_group=not dist_initialised,
         vllm_threads=vllm_threads,
     )
+    _ENGINE.packed = llm.collective_rpc(_packed_modules)[0] or {}
     if weight_sync == "reload" and not all(llm.collective_rpc(_can_reload_from_memory)):
         shutdown_engine()
         raise ImportError(
@@ -538,6 +541,11 @@ def _vllm_lora_rank(rank: int) -> int:
     raise ValueError(f"perturbation_rank={rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
 
 
+def _packed_modules(worker) -> dict[str, list[str]]:
+    mapping = getattr(worker.model_runner.model, "packed_modules_mapping", None) or {}
+    return {str(k): list(v) for k, v in mapping.items()}
+
+
 def _can_reload_from_memory(worker) -> bool:
     reload = getattr(worker.model_runner, "reload_weights", None)
     return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
@@ -570,8 +578,50 @@ def shutdown_engine() -> None:
 atexit.register(shutdown_engine)
 
 
-def _push_weights(engine: _Engine, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Load Hugging Face-named tensors into the engine (fusing and, on CPU, repacking them)."""
+def changed_units(names: Sequence[str], changed: set[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
+    """The tensors to push when ``changed`` did: every tensor of each engine module that holds a changed one.
+
+    The engine loads a module as a whole (a fused ``qkv_proj`` from ``q_proj``, ``k_proj`` and ``v_proj``, a
+    weight with its bias), so a partial push must carry whole modules; modules nothing changed in keep what
+    the engine holds.
+    """
+    fused = {part: whole for whole, parts in packed.items() for part in parts}
+
+    def unit(name: str) -> str:
+        module, _, _ = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        return f"{parent}.{fused.get(leaf, leaf)}"
+
+    units = {unit(n) for n in changed}
+    return {n for n in names if unit(n) in units}
+
+
+class _QuietPartialReload(logging.Filter):
+    """Drops vLLM's per-module "Failed to load weights" / "not loaded" warnings of a deliberate partial push."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "Failed to load weights" not in message and "were not loaded from checkpoint" not in message
+
+
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+
+
+def _push_weights(
+    engine: _Engine,
+    weights: list[tuple[str, torch.Tensor]],
+    *,
+    partial: bool = False,
+    refresh_tied: bool = True,
+) -> None:
+    """Load Hugging Face-named tensors into the engine (fusing and, on CPU, repacking them).
+
+    ``partial``: ``weights`` are whole modules (:func:`changed_units`) and the engine keeps every other module
+    as it is. ``refresh_tied``: re-pack a tied output head (needed whenever the embedding may have changed).
+    """
     import time
 
     if engine.sleeping:
@@ -581,8 +631,17 @@ def _push_weights(engine: _Engine, weights: list[tuple[str, torch.Tensor]]) -> N
     if engine.weight_sync == "reload":
 
         def load(worker):
-            worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-            _refresh_tied_cpu_gemms(worker.model_runner.model)
+            quiet = _QuietPartialReload()
+            loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS] if partial else []
+            for logger_ in loggers:
+                logger_.addFilter(quiet)
+            try:
+                worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            finally:
+                for logger_ in loggers:
+                    logger_.removeFilter(quiet)
+            if refresh_tied:
+                _refresh_tied_cpu_gemms(worker.model_runner.model)
 
     else:
 
@@ -592,6 +651,16 @@ def _push_weights(engine: _Engine, weights: list[tuple[str, torch.Tensor]]) -> N
     engine.llm.collective_rpc(load)
     engine.stats["pushes"] += 1
     engine.stats["push_s"] += time.perf_counter() - t0
+    engine.stats["tensors"] = engine.stats.get("tensors", 0) + len(weights)
+
+
+def _tied_input_embedding_names(model: torch.nn.Module) -> set[str]:
+    """Engine names of the input embedding when the output head is tied to it (else empty)."""
+    base = model.get_base_model() if _is_peft_model(model) else model
+    head, embedding = getattr(base, "get_output_embeddings", lambda: None)(), base.get_input_embeddings()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return set()
+    return {name for name, param in base.named_parameters() if param is embedding.weight}
 
 
 def _refresh_tied_cpu_gemms(model: torch.nn.Module) -> None:
@@ -699,15 +768,25 @@ class VLLMRollout:
         weights = engine_weights(self.model)
         fingerprint = _checksum(weights)
         held = self.engine.holds
-        if (
-            not force
-            and held is not None
-            and held[0] == fingerprint[0]
-            and torch.equal(held[1], fingerprint[1])
-        ):
-            return False
+        subset = None  # everything
+        if not force and held is not None and held[0] == fingerprint[0]:
+            differ = (held[1] != fingerprint[1]).nonzero().flatten().tolist()
+            if not differ:
+                return False
+            # Only the modules whose tensors changed: with low rank on vLLM the embeddings, norms and a tied
+            # head never change, and re-loading them (re-packing the head) is most of a step's push otherwise.
+            subset = changed_units(fingerprint[0], {fingerprint[0][i] for i in differ}, self.engine.packed)
         self.engine.holds = None  # a failed push leaves the engine in an unknown state
-        _push_weights(self.engine, weights)
+        if subset is None or len(subset) == len(weights):
+            _push_weights(self.engine, weights)
+        else:
+            tied = _tied_input_embedding_names(self.model)
+            _push_weights(
+                self.engine,
+                [w for w in weights if w[0] in subset],
+                partial=True,
+                refresh_tied=bool(tied & subset),
+            )
         self.engine.holds = fingerprint
         return True
 
