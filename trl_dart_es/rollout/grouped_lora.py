@@ -143,15 +143,19 @@ def _add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_i
 _REPLACED = {"update_metadata": _update_metadata, "add_shrink": _add_shrink, "add_expand": _add_expand}
 
 
-def install() -> None:
-    """Route vLLM's CPU Punica wrapper through the grouped ops (process-wide; idempotent)."""
-    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
-
+def install() -> bool:
+    """Route vLLM's CPU Punica wrapper through the grouped ops (process-wide; idempotent). Returns False, and
+    changes nothing, when the installed vLLM has no CPU Punica wrapper."""
+    try:
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    except ImportError:
+        return False
     if _ORIGINAL:
-        return
+        return True
     for name, fn in _REPLACED.items():
         _ORIGINAL[name] = getattr(PunicaWrapperCPU, name)
         setattr(PunicaWrapperCPU, name, fn)
+    return True
 
 
 def uninstall() -> None:

@@ -542,7 +542,8 @@ def _vllm_lora_rank(rank: int) -> int:
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:
-    mapping = getattr(worker.model_runner.model, "packed_modules_mapping", None) or {}
+    model = getattr(worker.model_runner, "model", None)  # None: a stand-in worker without a model
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
     return {str(k): list(v) for k, v in mapping.items()}
 
 
