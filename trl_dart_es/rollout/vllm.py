@@ -493,8 +493,8 @@ def start_engine(
         tmpdir=tmp,
         own_process_group=not dist_initialised,
         vllm_threads=vllm_threads,
+        packed=llm.collective_rpc(_packed_modules)[0],
     )
-    _ENGINE.packed = llm.collective_rpc(_packed_modules)[0] or {}
     if weight_sync == "reload" and not all(llm.collective_rpc(_can_reload_from_memory)):
         shutdown_engine()
         raise ImportError(
@@ -652,7 +652,7 @@ def _push_weights(
     engine.llm.collective_rpc(load)
     engine.stats["pushes"] += 1
     engine.stats["push_s"] += time.perf_counter() - t0
-    engine.stats["tensors"] = engine.stats.get("tensors", 0) + len(weights)
+    engine.stats["tensors"] += len(weights)
 
 
 def _tied_input_embedding_names(model: torch.nn.Module) -> set[str]:
