@@ -41,12 +41,11 @@ class TokenAdapters:
     def __init__(self, indices: torch.Tensor):
         self.n = int(indices.shape[0])
         valid = indices >= 0
-        self.all_valid = bool(valid.all())
         self.rows = torch.arange(self.n, device=indices.device)
         self.slots = indices.clamp_min(0)
         self.none = self.n == 0 or not bool(valid.any())
         # (T, 1, 1): zeroes the tokens without an adapter (their clamped slot is a real adapter's).
-        self.mask = None if self.all_valid else valid.to(torch.float32).view(-1, 1, 1)
+        self.mask = None if bool(valid.all()) else valid.to(torch.float32).view(-1, 1, 1)
 
 
 def _stacked(ws: Sequence[torch.Tensor]) -> torch.Tensor:
