@@ -714,7 +714,14 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], path: str | Path) -> None:
             mean.append(statistics.fmean(acc))
             low.append(min(acc))
             high.append(max(acc))
-        ax.plot(xs, mean, marker="o", markersize=3, color=color, label=f"{method} ({len(mine)} seed{'s' if len(mine) != 1 else ''})")
+        ax.plot(
+            xs,
+            mean,
+            marker="o",
+            markersize=3,
+            color=color,
+            label=f"{method} ({len(mine)} seed{'s' if len(mine) != 1 else ''})",
+        )
         ax.fill_between(xs, low, high, color=color, alpha=0.18, linewidth=0)
     if runs:
         w = runs[0]["settings"]["workload"]
