@@ -10,7 +10,8 @@ x B = 8 GSM8K prompts, exactly 40 new tokens per row via `min_tokens`, greedy, t
 - `lora-updated`: as `lora`, but the base weights change before every generate (a tiny ES update), so each
   generate first pushes them into the engine, as in training; the push is timed apart and left out.
 
-Each times `--repeats` generates after one warm-up, then profiles one more with `torch.profiler` (self CPU time
+`--natural-lengths` lets rows stop at EOS instead (the training step's case; the modes then generate slightly
+different token counts, so compare tokens/s). Each times `--repeats` generates after one warm-up, then profiles one more with `torch.profiler` (self CPU time
 per op). Run under the heavy-job lock on an otherwise idle machine:
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_lora_profile.py   # ~5 min on 2 cores
@@ -42,7 +43,7 @@ MODES = {
 LORA_OPS = ("aten::addmm_", "aten::mm", "aten::index", "aten::_index_put_impl_", "aten::zeros", "aten::cat")
 
 
-def measure(mode: str, repeats: int) -> dict:
+def measure(mode: str, repeats: int, natural_lengths: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import GenerationConfig
@@ -70,7 +71,9 @@ def measure(mode: str, repeats: int) -> dict:
         top_p=None,
         top_k=None,
     )
-    fixed = {"min_tokens": t}  # every row decodes all t tokens: the three modes do the same work
+    # Every row decodes all t tokens unless asked otherwise: then the modes do the same work.
+    fixed = None if natural_lengths else {"min_tokens": t}
+    tokens = [n * b * t]
     if mode == "plain":
         engine = start_engine(model, cpu_kvcache_space=1, max_model_len=1024)
         rollout = VLLMRollout(
@@ -90,9 +93,9 @@ def measure(mode: str, repeats: int) -> dict:
     def run() -> float:
         """One generate; returns the seconds spent pushing weights and handing over adapters."""
         if mode.startswith("lora") and mode != "lora-base":
-            rollout.generate_population(prompts, members)
+            tokens[0] = sum(g.num_tokens for g in rollout.generate_population(prompts, members))
             return rollout.last_perturb_time
-        rollout.generate(rows)
+        tokens[0] = rollout.generate(rows).num_tokens
         return 0.0
 
     run()  # warm-up
@@ -114,8 +117,8 @@ def measure(mode: str, repeats: int) -> dict:
         "what": MODES[mode],
         "generate_s": times,
         "push_and_handover_s": pushes,
-        "tokens": n * b * t,
-        "tokens_per_s_best": n * b * t / min(times),
+        "tokens": tokens[0],
+        "tokens_per_s_best": tokens[0] / min(times),
         "profiled_self_cpu_s": total,
         "lora_ops_self_cpu_s": sum(e.self_cpu_time_total for e in ops if e.key in LORA_OPS) / 1e6,
         "top_ops": [
@@ -130,19 +133,25 @@ def render(results: list[dict], command: str) -> str:
         "# vLLM on CPU: the LoRA population's cost inside `generate`",
         "",
         f"- Command: `{command}`; {results[0]['date']}; {results[0]['machine']}.",
-        "- Each mode in a fresh process: embedded SmolLM2-135M fp32, 64 rows of exactly 40 new tokens, greedy, "
+        "- Each mode in a fresh process: embedded SmolLM2-135M fp32, 64 rows of "
+        + (
+            "up to 40 new tokens (stopping at EOS)"
+            if "--natural-lengths" in command
+            else "exactly 40 new tokens"
+        )
+        + ", greedy, "
         f"{results[0]['threads']} threads; best of the timed generates (push and adapter hand-over left out), then "
         "one profiled generate (with them).",
         "",
-        "| mode | what | generate (s) | push + hand-over (s) | tokens/s (best) | profiled self CPU (s) "
+        "| mode | what | generate (s) | push + hand-over (s) | tokens | tokens/s (best) | profiled self CPU (s) "
         "| of it grouped-LoRA ops (s) |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         times = " ".join(f"{x:.2f}" for x in r["generate_s"])
         pushes = " ".join(f"{x:.2f}" for x in r["push_and_handover_s"])
         lines.append(
-            f"| `{r['mode']}` | {r['what']} | {times} | {pushes} | {r['tokens_per_s_best']:.1f} | "
+            f"| `{r['mode']}` | {r['what']} | {times} | {pushes} | {r['tokens']} | {r['tokens_per_s_best']:.1f} | "
             f"{r['profiled_self_cpu_s']:.2f} | {r['lora_ops_self_cpu_s']:.2f} |"
         )
     lines += ["", "Top ops by self CPU time (profiled generate):", ""]
@@ -155,18 +164,27 @@ def render(results: list[dict], command: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--natural-lengths", action="store_true", help="rows stop at EOS (default: exactly 40 tokens)"
+    )
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "vllm_lora_profile"))
     p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:  # one mode in this fresh process; the result as JSON on the last line of stdout
-        print(json.dumps(measure(args.child, args.repeats)), flush=True)
+        print(json.dumps(measure(args.child, args.repeats, args.natural_lengths)), flush=True)
         return
     from trl_dart_es.benchmark import machine_description
 
     results = []
-    for mode in MODES:
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    lengths = ["--natural-lengths"] if args.natural_lengths else []
+    for mode in modes:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", mode, "--repeats", str(args.repeats)],
+            [sys.executable, __file__, "--child", mode, "--repeats", str(args.repeats), *lengths],
             check=True,
             capture_output=True,
             text=True,
