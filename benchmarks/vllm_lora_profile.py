@@ -1,6 +1,6 @@
 """vLLM on CPU: what serving the population as LoRA adapters costs inside `generate`, alone in a process.
 
-Three engines, each in a fresh process, on the quickstart rollouts (embedded SmolLM2-135M, fp32, N = 8 members
+One engine per mode, each in a fresh process, on the quickstart rollouts (embedded SmolLM2-135M, fp32, N = 8 members
 x B = 8 GSM8K prompts, exactly 40 new tokens per row via `min_tokens`, greedy, the process's default threads):
 
 - `plain`: no LoRA; the 64 rows (each prompt 8 times) in one `generate` (the `inference-vllm` row's work);
@@ -11,8 +11,8 @@ x B = 8 GSM8K prompts, exactly 40 new tokens per row via `min_tokens`, greedy, t
   generate first pushes them into the engine, as in training; the push is timed apart and left out.
 
 `--natural-lengths` lets rows stop at EOS instead (the training step's case; the modes then generate slightly
-different token counts, so compare tokens/s). Each times `--repeats` generates after one warm-up, then profiles one more with `torch.profiler` (self CPU time
-per op). Run under the heavy-job lock on an otherwise idle machine:
+different token counts, so compare tokens/s). Each mode times `--repeats` generates after one warm-up, then
+profiles one more with `torch.profiler` (self CPU time per op). Run under the heavy-job lock on an otherwise idle machine:
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_lora_profile.py   # ~5 min on 2 cores
     # writes docs/benchmarks/vllm_lora_profile.{json,md}
@@ -128,17 +128,13 @@ def measure(mode: str, repeats: int, natural_lengths: bool = False) -> dict:
     }
 
 
-def render(results: list[dict], command: str) -> str:
+def render(results: list[dict], command: str, natural_lengths: bool) -> str:
     lines = [
         "# vLLM on CPU: the LoRA population's cost inside `generate`",
         "",
         f"- Command: `{command}`; {results[0]['date']}; {results[0]['machine']}.",
         "- Each mode in a fresh process: embedded SmolLM2-135M fp32, 64 rows of "
-        + (
-            "up to 40 new tokens (stopping at EOS)"
-            if "--natural-lengths" in command
-            else "exactly 40 new tokens"
-        )
+        + ("up to 40 new tokens (stopping at EOS)" if natural_lengths else "exactly 40 new tokens")
         + ", greedy, "
         f"{results[0]['threads']} threads; best of the timed generates (push and adapter hand-over left out), then "
         "one profiled generate (with them).",
@@ -194,13 +190,14 @@ def main() -> None:
         result["machine"] = machine_description()
         print(f"{mode:10s} best {result['tokens_per_s_best']:6.1f} tok/s  {result['generate_s']}", flush=True)
         results.append(result)
-    command = "python benchmarks/vllm_lora_profile.py" + (
-        f" --repeats {args.repeats}" if args.repeats != 3 else ""
-    )
+    command = " ".join(["python benchmarks/vllm_lora_profile.py", *sys.argv[1:]])
     Path(args.output + ".json").write_text(
-        json.dumps({"command": command, "results": results}, indent=1) + "\n"
+        json.dumps(
+            {"command": command, "natural_lengths": args.natural_lengths, "results": results}, indent=1
+        )
+        + "\n"
     )
-    Path(args.output + ".md").write_text(render(results, command))
+    Path(args.output + ".md").write_text(render(results, command, args.natural_lengths))
     print(f"wrote {args.output}.json, {args.output}.md")
 
 
