@@ -35,17 +35,27 @@ _ORIGINAL: dict[str, object] = {}
 class TokenAdapters:
     """Which adapter each token of a forward pass uses, prepared once per pass for every layer's ops.
 
-    ``indices``: ``(T,)`` slot per token, -1 for none.
+    ``indices``: ``(T,)`` slot per token, -1 for none. :meth:`one_hot` gives the ``(T, L)`` token-to-adapter
+    matrix (a zero row for a token without an adapter), built once per pass, adapter count and dtype, so
+    that each layer's ops are a multiply and a GEMM with no per-layer index writes.
     """
 
     def __init__(self, indices: torch.Tensor):
         self.n = int(indices.shape[0])
-        valid = indices >= 0
-        self.rows = torch.arange(self.n, device=indices.device)
-        self.slots = indices.clamp_min(0)
-        self.none = self.n == 0 or not bool(valid.any())
-        # (T, 1, 1): zeroes the tokens without an adapter (their clamped slot is a real adapter's).
-        self.mask = None if bool(valid.all()) else valid.to(torch.float32).view(-1, 1, 1)
+        self.indices = indices
+        self.none = self.n == 0 or not bool((indices >= 0).any())
+        self._one_hot: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def one_hot(self, num: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(T, num)``: 1 at each token's slot, a zero row for a token without one."""
+        key = (num, dtype)
+        if key not in self._one_hot:
+            slots = self.indices.to(torch.long)
+            m = torch.zeros(self.n, num + 1, dtype=dtype, device=slots.device)
+            # -1 (no adapter) lands in the spare last column, which is dropped.
+            m[torch.arange(self.n, device=slots.device), torch.where(slots < 0, num, slots)] = 1
+            self._one_hot[key] = m[:, :num]
+        return self._one_hot[key]
 
 
 def _stacked(ws: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -62,20 +72,26 @@ def grouped_shrink(
     """``y[i][t, :r] = scale * x[t] @ ws[i][slot(t)]^T`` for every slice ``i`` and token ``t`` (0 without a slot).
 
     ``y``: S buffers ``(T, r)`` (a tuple, or one ``(S, T, r)`` tensor); ``x``: ``(T, in)``; ``ws``: S stacks
-    ``(L, 1, r, in)``. All S slices and L adapters are one GEMM.
+    ``(L, 1, r, in)``. All S slices and L adapters are one GEMM; the one-hot matrix then keeps each token's
+    adapter (the other adapters' columns are multiplied by exact zeros).
     """
     n, num_slices = tokens.n, len(ws)
     num, r, fan_in = ws[0].shape[0], ws[0].shape[-2], ws[0].shape[-1]
     dtype = y[0].dtype
     a = _stacked(ws).reshape(num_slices * num * r, fan_in).to(dtype)
     s = torch.matmul(x.reshape(-1, fan_in)[:n].to(dtype), a.t()).view(n, num_slices, num, r)
-    picked = s[tokens.rows, :, tokens.slots]  # (n, S, r)
-    if tokens.mask is not None:
-        picked = picked * tokens.mask.to(dtype)
+    one_hot = tokens.one_hot(num, dtype)
+    if r == 1:  # (n, S, L) x (n, L, 1): one batched matmul picks every slice's value
+        picked = torch.bmm(s.view(n, num_slices, num), one_hot.unsqueeze(-1)).view(n, num_slices, 1)
+    else:
+        picked = (s * one_hot.view(n, 1, num, 1)).sum(dim=2)  # (n, S, r)
     if scale != 1.0:
         picked = picked * scale
-    for i in range(num_slices):
-        y[i][:n, :r] = picked[:, i]
+    if isinstance(y, torch.Tensor):
+        y[:, :n, :r] = picked.transpose(0, 1)
+    else:
+        for i in range(num_slices):
+            y[i][:n, :r] = picked[:, i]
 
 
 def grouped_expand(
@@ -91,28 +107,24 @@ def grouped_expand(
     ``output_slices`` from ``offset``) and every token with a slot.
 
     ``y``: ``(T, out_total)``; ``x``: S buffers ``(T, r)``; ``ws``: S stacks ``(L, 1, out_i, r)``. Each token's
-    values go to its adapter's block of an ``L*r``-wide row (zeros elsewhere, which add exact zeros), then one
+    values, times its one-hot row, fill an ``L*r``-wide row (exact zeros outside its adapter's block), then one
     GEMM per slice with the whole stack.
     """
     n, num_slices = tokens.n, len(ws)
     num, r = ws[0].shape[0], ws[0].shape[-1]
     dtype = y.dtype
     y2 = y.view(-1, y.shape[-1])
-    xs = (x if isinstance(x, torch.Tensor) else torch.stack(tuple(x)))[:, :n, :r]  # (S, n, r)
-    rows = torch.zeros(n, num_slices, num, r, dtype=dtype, device=y.device)
-    values = xs.transpose(0, 1).to(dtype)  # (n, S, r)
-    if tokens.mask is not None:
-        values = values * tokens.mask.to(dtype)
-    rows[tokens.rows, :, tokens.slots] = values
+    xs = (x if isinstance(x, torch.Tensor) else torch.stack(tuple(x)))[:num_slices, :n, :r].to(dtype)
+    rows = xs.unsqueeze(2) * tokens.one_hot(num, dtype).view(1, n, num, 1)  # (S, n, L, r), contiguous
     for i, w in enumerate(ws):
         fan_out = w.shape[-2]
         width = min(output_slices[i], fan_out)
         stack = w.reshape(num, fan_out, r).to(dtype).transpose(1, 2).reshape(num * r, fan_out)
         target = y2[:n, offset : offset + width]
         if add_inputs:  # in place: half the time of a matmul and a separate add at decode sizes
-            target.addmm_(rows[:, i].reshape(n, num * r), stack[:, :width])
+            target.addmm_(rows[i].view(n, num * r), stack[:, :width])
         else:
-            target.copy_(torch.matmul(rows[:, i].reshape(n, num * r), stack[:, :width]))
+            target.copy_(torch.matmul(rows[i].view(n, num * r), stack[:, :width]))
         offset += output_slices[i]
 
 
