@@ -161,8 +161,15 @@ def test_report_tables_paired_intervals_and_plot(tmp_path):
     assert curves.report_times(900.0) == [300.0, 600.0, 900.0]
     assert curves.report_times(90.0) == [60 * 1.5]
 
+    for run in runs:  # seeds run in two invocations: the report names both
+        run["command"] += " --seeds 0" if run["seed"] == 0 else " --seeds 1 2"
     paths = curves.write_curve_report(runs, tmp_path / "out", tmp_path / "img" / "curves.png")
     md = paths["md"].read_text()
+    assert (
+        "- Commands: `python -m trl_dart_es.benchmark --curves --seeds 0`, `python -m trl_dart_es.benchmark "
+        in md
+    )
+    assert md.count("--seeds 1 2`") == 1
     assert (
         "| dart-es | 0, 1, 2 | 20.0 (20.0–20.0) | 25.0 (25.0–25.0) | 28.0 (28.0–28.0) | 32.3 (30.0–35.0) |"
         in md

@@ -596,10 +596,12 @@ def render_curves_markdown(runs: Sequence[Mapping[str, Any]], summary: Mapping[s
     first = runs[0]
     s, w = first["settings"], first["settings"]["workload"]
     rollouts = f"{w['population']} x {w['prompts']} = {w['population'] * w['prompts']}"
+    commands = list(dict.fromkeys(r["command"] for r in runs))  # each run records the invocation that made it
     lines += [
         f"- Machine: {first['machine']}; runs finished {min(r['date'] for r in runs)} to "
         f"{max(r['date'] for r in runs)}.",
-        f"- Command: `{first['command']}` (finished runs are skipped on rerun; `--report-only` rebuilds this page).",
+        f"- Command{'s' if len(commands) > 1 else ''}: {', '.join(f'`{c}`' for c in commands)} (finished runs are "
+        "skipped on rerun; `--report-only` rebuilds this page).",
         f"- Workload: `{w['model']}` ({w['dtype']}) on `{w['dataset']}`"
         + (f", prompt style `{w['prompt_style']}`" if w.get("prompt_style") else "")
         + f"; {rollouts} rollouts per step, up to {w['max_completion_length']} completion tokens; each method's "
