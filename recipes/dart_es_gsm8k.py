@@ -79,6 +79,9 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
         print(f"Model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=name)
+    # Destroy the process group before exit: left to interpreter teardown, a rank can abort (SIGABRT,
+    # "terminate called without an active exception", seen once under ZeRO-3) after its work is saved.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":  # the guard lets vLLM's spawned workers import this file safely

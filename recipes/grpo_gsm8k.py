@@ -68,6 +68,9 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         print(f"\nModel saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # Destroy the process group before exit: left to interpreter teardown, a rank can abort (SIGABRT,
+    # "terminate called without an active exception", seen once under ZeRO-3) after its work is saved.
+    trainer.accelerator.end_training()
 
 
 def cpu_launch_args(argv: list[str]) -> list[str]:
