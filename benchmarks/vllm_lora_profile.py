@@ -39,8 +39,11 @@ MODES = {
     "lora-base": "LoRA engine, 64 rows without adapters",
     "lora-updated": "as lora, base weights updated and pushed before each generate (push time left out)",
 }
-# Ops the grouped LoRA matmuls and their bookkeeping run (trl_dart_es/rollout/grouped_lora.py).
-LORA_OPS = ("aten::addmm_", "aten::mm", "aten::index", "aten::_index_put_impl_", "aten::zeros", "aten::cat")
+# Ops the grouped LoRA matmuls and their bookkeeping run (trl_dart_es/rollout/grouped_lora.py), by names the
+# model's own layers do not use here: the one-hot pick (`bmm`) counts, its broadcast `mul`/`sum` cannot.
+LORA_OPS = (
+    "aten::addmm_", "aten::mm", "aten::bmm", "aten::index", "aten::_index_put_impl_", "aten::zeros", "aten::cat",
+)  # fmt: skip
 
 
 def measure(mode: str, repeats: int, natural_lengths: bool = False) -> dict:
