@@ -37,7 +37,7 @@ from trl_dart_es.noise import population
 from trl_dart_es.perturb import EvolvedParameters
 from trl_dart_es.rollout.lowrank import LowRankRollout
 from trl_dart_es.rollout.prompts import render_prompts
-from trl_dart_es.rollout.transformers import TransformersRollout
+from trl_dart_es.rollout.transformers import TransformersRollout, greedy_generation_config
 from trl_dart_es.tasks import load_task_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,16 +120,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     prompts = load_task_dataset("embedded:gsm8k", "train")["prompt"][:b]
-    config = GenerationConfig(
-        max_new_tokens=t,
-        min_new_tokens=t,  # same work in every mode: no row stops early
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=[tokenizer.eos_token_id],
-    )
+    # min_new_tokens: the same work in every mode, no row stops early
+    config = greedy_generation_config(tokenizer, t, min_new_tokens=t)
     members = population(1234, n)
     lowrank = LowRankRollout(model, tokenizer, config, LowRankParameters(model, args.sigma, rank=args.rank))
     fullrank = TransformersRollout(model, tokenizer, config, EvolvedParameters(model, args.sigma))

@@ -99,6 +99,17 @@ VARIANTS["vl-answer64-n16b8-anti-es"] = {
 # A 4x larger step. With N = 16 each step moves a weight by about alpha / sqrt(N) = sigma / 8 at alpha = 1e-3, so
 # the ~15 steps of an 8-minute budget move it about 2 sigma at most; this screens whether bigger steps pay.
 VARIANTS["vl-answer64-n16b8-anti-lr4"] = {**VARIANTS["vl-answer64-n16b8-anti"], "learning_rate": 4e-3}
+# One-setting screens of the confirmed variant: rank 4, a milder weight exponent, more replay, a larger sigma.
+# Like the ES twin they keep vLLM's own LoRA ops, so each step runs the code the confirmed runs measured.
+_CONFIRMED = {**VARIANTS["vl-answer64-n16b8-anti"], "vllm_lora_kernel": "vllm"}
+VARIANTS.update(
+    {
+        "vl-answer64-n16b8-anti-r4": {**_CONFIRMED, "perturbation_rank": 4},
+        "vl-answer64-n16b8-anti-k1": {**_CONFIRMED, "difficulty_weight_exponent": 1.0},
+        "vl-answer64-n16b8-anti-replay4": {**_CONFIRMED, "replay_ratio": 0.4},
+        "vl-answer64-n16b8-anti-s4": {**_CONFIRMED, "sigma": 4e-3},
+    }
+)
 # (method, its twin): paired by seed in the report.
 PAIRS = [("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es")]
 

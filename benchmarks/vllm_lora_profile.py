@@ -49,12 +49,12 @@ LORA_OPS = (
 def measure(mode: str, repeats: int, natural_lengths: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import GenerationConfig
 
     from trl_dart_es.embedded import load_model, load_tokenizer
     from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
     from trl_dart_es.noise import population
     from trl_dart_es.perturb import EvolvedParameters
+    from trl_dart_es.rollout.transformers import greedy_generation_config
     from trl_dart_es.rollout.vllm import VLLMRollout, shutdown_engine, start_engine
     from trl_dart_es.rollout.vllm_lowrank import VLLMLowRankRollout
     from trl_dart_es.tasks import load_task_dataset
@@ -65,15 +65,7 @@ def measure(mode: str, repeats: int, natural_lengths: bool = False) -> dict:
     prompts = load_task_dataset("embedded:gsm8k", "train")["prompt"][:b]
     rows = [p for p in prompts for _ in range(n)]
     members = population(1234, n)
-    gc = GenerationConfig(
-        max_new_tokens=t,
-        do_sample=False,
-        eos_token_id=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
+    gc = greedy_generation_config(tokenizer, t)
     # Every row decodes all t tokens unless asked otherwise: then the modes do the same work.
     fixed = None if natural_lengths else {"min_tokens": t}
     tokens = [n * b * t]

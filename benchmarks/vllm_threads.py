@@ -45,12 +45,12 @@ NAMES = {
 
 def measure(path: str, args: argparse.Namespace) -> dict:
     """One path, in this process: one engine, the thread counts interleaved."""
-    from transformers import GenerationConfig
 
     from trl_dart_es.embedded import load_model, load_tokenizer
     from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
     from trl_dart_es.noise import population
     from trl_dart_es.perturb import EvolvedParameters
+    from trl_dart_es.rollout.transformers import greedy_generation_config
     from trl_dart_es.rollout.vllm import VLLMRollout, shutdown_engine, start_engine
     from trl_dart_es.rollout.vllm_lowrank import VLLMLowRankRollout
     from trl_dart_es.tasks import load_task_dataset
@@ -61,15 +61,7 @@ def measure(path: str, args: argparse.Namespace) -> dict:
     prompts = load_task_dataset("embedded:gsm8k", "train")["prompt"][:b]
     members = population(1234, n)
     z = [float(i) - (n - 1) / 2 for i in range(n)]  # any fitness: the update's cost does not depend on it
-    gc = GenerationConfig(
-        max_new_tokens=t,
-        do_sample=False,
-        eos_token_id=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
+    gc = greedy_generation_config(tokenizer, t)
     extra = {"min_tokens": t} if args.fixed_length else None  # vLLM SamplingParams: no row stops early
 
     before = torch.get_num_threads()

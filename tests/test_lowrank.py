@@ -13,7 +13,11 @@ from trl_dart_es import DartESConfig, DartESTrainer
 from trl_dart_es.lowrank import LowRankParameters
 from trl_dart_es.noise import Member, gaussian, population
 from trl_dart_es.rollout.lowrank import LowRankRollout
-from trl_dart_es.rollout.transformers import TransformersRollout, build_generation_config
+from trl_dart_es.rollout.transformers import (
+    TransformersRollout,
+    build_generation_config,
+    greedy_generation_config,
+)
 
 
 def tiny(tied: bool, vocab_size=128, hidden=32, layers=2, dtype=torch.float32):
@@ -238,6 +242,15 @@ def _prompts():
 def _gen_config(tokenizer, length=5):
     args = DartESConfig("unused", max_completion_length=length, use_cpu=True, report_to="none")
     return build_generation_config(args, tokenizer, [tokenizer.eos_token_id])
+
+
+def test_greedy_helper_matches_the_trainers_greedy_settings(tokenizer):
+    """The benchmarks' and parity tests' greedy config decodes exactly as the trainer's temperature-0 config."""
+    trainer_gc, helper_gc = _gen_config(tokenizer, 7), greedy_generation_config(tokenizer, 7)
+    keys = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "eos_token_id", "pad_token_id")
+    assert {k: getattr(helper_gc, k) for k in keys} == {k: getattr(trainer_gc, k) for k in keys}
+    assert helper_gc.do_sample is False and helper_gc.eos_token_id == [tokenizer.eos_token_id]
+    assert greedy_generation_config(tokenizer, 7, min_new_tokens=7).min_new_tokens == 7
 
 
 @pytest.mark.parametrize("tied,batch_size", [(False, None), (True, 3), (True, 8)])

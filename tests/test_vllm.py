@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from trl_dart_es.noise import Member
 from trl_dart_es.perturb import EvolvedParameters
 from trl_dart_es.rollout import vllm as vllm_rollout
+from trl_dart_es.rollout.transformers import greedy_generation_config
 from trl_dart_es.rollout.vllm import engine_weights, is_vllm_available, sampling_params_kwargs
 from trl_dart_es.tasks import load_task_dataset
 
@@ -41,7 +42,7 @@ requires_embedded = pytest.mark.skipif(not _has_embedded_model(), reason="embedd
 
 
 # ------------------------------------------------------------------------------- no engine needed
-def test_sampling_params_greedy_mirror_the_generation_config():
+def test_sampling_params_greedy_mirror_thegreedy_generation_config():
     gc = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=[2, 7], repetition_penalty=1.1)
     kw = sampling_params_kwargs(gc)
     assert kw["temperature"] == 0.0  # vLLM's greedy
@@ -165,7 +166,7 @@ def test_rollout_pushes_each_member_then_the_base_only_when_needed(fake_vllm, to
     params = EvolvedParameters(model, sigma=0.1)
     llm = _FakeLLM()
     engine = _Engine(llm, key=("fake",) + (None,) * 5, weight_sync="load_weights", on_cpu=False)
-    rollout = VLLMRollout(model, tokenizer, _generation_config(tokenizer, 4), params, engine)
+    rollout = VLLMRollout(model, tokenizer, greedy_generation_config(tokenizer, 4), params, engine)
     prompts = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "And 2 + 2?"}]]
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -215,25 +216,13 @@ def embedded():
     vllm_rollout.shutdown_engine()
 
 
-def _generation_config(tokenizer, max_new_tokens):
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-
-
 def _rollouts(embedded, sigma, max_new_tokens):
     from trl_dart_es.rollout.transformers import TransformersRollout
     from trl_dart_es.rollout.vllm import VLLMRollout
 
     model, tokenizer, engine = embedded
     params = EvolvedParameters(model, sigma, cache_noise=False)
-    gc = _generation_config(tokenizer, max_new_tokens)
+    gc = greedy_generation_config(tokenizer, max_new_tokens)
     return (
         VLLMRollout(model, tokenizer, gc, params, engine),
         TransformersRollout(model, tokenizer, gc, params),

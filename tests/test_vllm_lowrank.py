@@ -20,6 +20,7 @@ from trl_dart_es import DartESConfig
 from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
 from trl_dart_es.noise import Member
 from trl_dart_es.rollout import vllm as vllm_rollout
+from trl_dart_es.rollout.transformers import greedy_generation_config
 from trl_dart_es.rollout.vllm import _vllm_lora_rank, is_vllm_available
 from trl_dart_es.rollout.vllm_lowrank import member_adapter_tensors
 
@@ -237,15 +238,7 @@ def test_embedded_model_64_prompts_same_greedy_completions_on_both_backends(embe
 
     model, tokenizer, engine = embedded_lora_engine
     params = LowRankParameters(model, 2e-3, rank=1, names=lora_carried_names(model))
-    gc = GenerationConfig(
-        max_new_tokens=24,
-        do_sample=False,
-        eos_token_id=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
+    gc = greedy_generation_config(tokenizer, 24)
     prompts = load_task_dataset("embedded:gsm8k", "test", num_examples=64)["prompt"]
     members = [Member(101), Member(101, -1)]
     vllm_r = VLLMLowRankRollout(model, tokenizer, gc, params, engine)

@@ -28,8 +28,25 @@ def build_generation_config(args, tokenizer, eos_token_ids: list[int]) -> Genera
     if sample:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
+        kwargs.update(_GREEDY)
     kwargs.update(args.generation_kwargs or {})
+    return GenerationConfig(**kwargs)
+
+
+# Unset sampling knobs: a checkpoint's generation_config.json may carry them, and transformers warns
+# when they sit beside do_sample=False.
+_GREEDY: dict[str, Any] = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+
+
+def greedy_generation_config(tokenizer, max_new_tokens: int, **overrides: Any) -> GenerationConfig:
+    """Greedy decoding that stops at the tokenizer's EOS: the settings the benchmarks and parity tests share."""
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        **_GREEDY,
+    )
+    kwargs.update(overrides)
     return GenerationConfig(**kwargs)
 
 
