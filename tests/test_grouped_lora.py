@@ -60,6 +60,26 @@ def test_grouped_ops_match_vllms_cpu_punica_wrapper(rank, fan_outs, is_prefill, 
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [1, 8])
+def test_fused_lora_linear_equals_shrink_then_expand(rank, dtype):
+    """The one-pass op gives the values of the two ops through vLLM's fp32 buffers, tokens without a slot included."""
+    g = torch.Generator().manual_seed(rank)
+    fan_outs = (40, 16, 16)
+    a, b = _stacks(rank, fan_outs, g)
+    a, b = tuple(t.to(dtype) for t in a), tuple(t.to(dtype) for t in b)
+    tokens = grouped_lora.TokenAdapters(torch.tensor([0, 3, -1, 1, 1, 2, -1, 0]))
+    x = torch.randn(8, FAN_IN, generator=g).to(dtype)
+    y0 = torch.randn(8, sum(fan_outs), generator=g).to(dtype)
+    two_step, fused = y0.clone(), y0.clone()
+    buffers = tuple(torch.zeros(8, rank) for _ in fan_outs)
+    grouped_lora.grouped_shrink(buffers, x, a, tokens, 0.5)
+    grouped_lora.grouped_expand(two_step, buffers, b, tokens, fan_outs)
+    grouped_lora.grouped_lora_linear(fused, x, a, b, tokens, 0.5, fan_outs)
+    assert torch.equal(fused, two_step)
+    assert torch.equal(fused[[2, 6]], y0[[2, 6]]) and not torch.equal(fused, y0)
+
+
 def test_tokens_without_an_adapter_get_no_delta(restore_vllm_ops):
     y = _lora_linear([0, 2, 0, 3, 0, 0], 1, (40,), False, grouped=True)
     base = _lora_linear([0, 0, 0, 0, 0, 0], 1, (40,), False, grouped=True)  # same x, y, stacks (same seed)

@@ -27,7 +27,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["TokenAdapters", "grouped_expand", "grouped_shrink", "install", "installed", "uninstall"]
+__all__ = [
+    "TokenAdapters",
+    "grouped_expand",
+    "grouped_lora_linear",
+    "grouped_shrink",
+    "install",
+    "installed",
+    "uninstall",
+]
 
 _ORIGINAL: dict[str, object] = {}
 
@@ -128,6 +136,44 @@ def grouped_expand(
         offset += output_slices[i]
 
 
+def grouped_lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_ws: Sequence[torch.Tensor],
+    b_ws: Sequence[torch.Tensor],
+    tokens: TokenAdapters,
+    scale: float,
+    output_slices: Sequence[int],
+    add_inputs: bool = True,
+) -> None:
+    """:func:`grouped_shrink` then :func:`grouped_expand` in one pass, with no ``(T, r)`` buffers between them.
+
+    The expand's input rows are the shrink's GEMM output masked by the one-hot matrix, so the pick of each
+    token's ``r`` values, the buffer writes and the re-spread are skipped. The shrink runs in fp32, as vLLM's
+    buffers do; the values equal the two-op path's.
+    """
+    n, num_slices = tokens.n, len(a_ws)
+    num, r, fan_in = a_ws[0].shape[0], a_ws[0].shape[-2], a_ws[0].shape[-1]
+    a = _stacked(a_ws).reshape(num_slices * num * r, fan_in).to(torch.float32)
+    s = torch.matmul(x.reshape(-1, fan_in)[:n].to(torch.float32), a.t()).view(n, num_slices, num, r)
+    rows = s * tokens.one_hot(num, torch.float32).view(n, 1, num, 1)  # (n, S, L, r): zeros off each slot
+    if scale != 1.0:
+        rows = rows * scale
+    # Slice i's rows: an (n, L*r) view with row stride S*L*r, which the GEMM reads without a copy.
+    rows = rows.to(y.dtype).view(n, num_slices, num * r)
+    y2, offset = y.view(-1, y.shape[-1]), 0
+    for i, w in enumerate(b_ws):
+        fan_out = w.shape[-2]
+        width = min(output_slices[i], fan_out)
+        stack = w.reshape(num, fan_out, r).to(y.dtype).transpose(1, 2).reshape(num * r, fan_out)
+        target = y2[:n, offset : offset + width]
+        if add_inputs:
+            target.addmm_(rows[:, i], stack[:, :width])
+        else:
+            target.copy_(torch.matmul(rows[:, i], stack[:, :width]))
+        offset += output_slices[i]
+
+
 # ------------------------------------------------------------------------- PunicaWrapperCPU replacements
 def _update_metadata(self, mapping, *args, **kwargs) -> None:
     _ORIGINAL["update_metadata"](self, mapping, *args, **kwargs)
@@ -151,7 +197,26 @@ def _add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_i
         grouped_expand(y, x, lora_b_stacked, tokens, output_slices, offset_start, add_inputs)
 
 
-_REPLACED = {"update_metadata": _update_metadata, "add_shrink": _add_shrink, "add_expand": _add_expand}
+def _add_lora_linear(
+    self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs
+) -> None:
+    if buffer is not None:  # a caller-owned buffer: keep vLLM's two-step contract
+        _ORIGINAL["add_lora_linear"](
+            self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
+        )
+        return
+    tokens = _tokens(self)
+    if tokens is not None:
+        add_inputs = kwargs.get("add_inputs", True)
+        grouped_lora_linear(y, x, lora_a_stacked, lora_b_stacked, tokens, scale, output_slices, add_inputs)
+
+
+_REPLACED = {
+    "update_metadata": _update_metadata,
+    "add_shrink": _add_shrink,
+    "add_expand": _add_expand,
+    "add_lora_linear": _add_lora_linear,
+}
 
 
 def install() -> bool:
