@@ -14,6 +14,10 @@ With a handful of adapters the whole stack fits in one small GEMM, so no per-tok
 * expand: each token's ``r`` values go into its adapter's block of a ``T x L*r`` row (zeros elsewhere) and
   one GEMM with ``B_all`` (``L*r x out``) adds every token's delta.
 
+vLLM's linear LoRA layers call ``add_lora_linear`` (shrink into fp32 buffers, then expand); the replacement
+does both in one pass (:func:`grouped_lora_linear`): the shrink GEMM's output, masked by the one-hot
+token-to-adapter matrix, is the expand's input, with no buffers between them.
+
 The zero blocks contribute exact zeros, so the result is vLLM's up to the order in which the dot products are
 summed (float rounding only). A token with index -1 (no adapter) gets no delta, the
 meaning vLLM's GPU kernels give it (its CPU ops index the last slot instead). Installed by
@@ -120,19 +124,31 @@ def grouped_expand(
     """
     n, num_slices = tokens.n, len(ws)
     num, r = ws[0].shape[0], ws[0].shape[-1]
-    dtype = y.dtype
+    xs = (x if isinstance(x, torch.Tensor) else torch.stack(tuple(x)))[:num_slices, :n, :r].to(y.dtype)
+    rows = xs.unsqueeze(2) * tokens.one_hot(num, y.dtype).view(1, n, num, 1)  # (S, n, L, r), contiguous
+    _add_rows(y, rows.view(num_slices, n, num * r), ws, output_slices, offset, add_inputs)
+
+
+def _add_rows(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    ws: Sequence[torch.Tensor],
+    output_slices: Sequence[int],
+    offset: int,
+    add_inputs: bool,
+) -> None:
+    """``y[:n, cols_i] (+)= rows[i] @ B_i`` with ``rows``: ``(S, n, L*r)`` and ``B_i`` slice i's ``(L*r, out_i)`` stack."""
+    n, num, r = rows.shape[1], ws[0].shape[0], ws[0].shape[-1]
     y2 = y.view(-1, y.shape[-1])
-    xs = (x if isinstance(x, torch.Tensor) else torch.stack(tuple(x)))[:num_slices, :n, :r].to(dtype)
-    rows = xs.unsqueeze(2) * tokens.one_hot(num, dtype).view(1, n, num, 1)  # (S, n, L, r), contiguous
     for i, w in enumerate(ws):
         fan_out = w.shape[-2]
         width = min(output_slices[i], fan_out)
-        stack = w.reshape(num, fan_out, r).to(dtype).transpose(1, 2).reshape(num * r, fan_out)
+        stack = w.reshape(num, fan_out, r).to(y.dtype).transpose(1, 2).reshape(num * r, fan_out)
         target = y2[:n, offset : offset + width]
         if add_inputs:  # in place: half the time of a matmul and a separate add at decode sizes
-            target.addmm_(rows[i].view(n, num * r), stack[:, :width])
+            target.addmm_(rows[i], stack[:, :width])
         else:
-            target.copy_(torch.matmul(rows[i].view(n, num * r), stack[:, :width]))
+            target.copy_(torch.matmul(rows[i], stack[:, :width]))
         offset += output_slices[i]
 
 
@@ -160,18 +176,8 @@ def grouped_lora_linear(
     if scale != 1.0:
         rows = rows * scale
     # Slice i's rows: an (n, L*r) view with row stride S*L*r, which the GEMM reads without a copy.
-    rows = rows.to(y.dtype).view(n, num_slices, num * r)
-    y2, offset = y.view(-1, y.shape[-1]), 0
-    for i, w in enumerate(b_ws):
-        fan_out = w.shape[-2]
-        width = min(output_slices[i], fan_out)
-        stack = w.reshape(num, fan_out, r).to(y.dtype).transpose(1, 2).reshape(num * r, fan_out)
-        target = y2[:n, offset : offset + width]
-        if add_inputs:
-            target.addmm_(rows[:, i], stack[:, :width])
-        else:
-            target.copy_(torch.matmul(rows[:, i], stack[:, :width]))
-        offset += output_slices[i]
+    rows = rows.to(y.dtype).view(n, num_slices, num * r).transpose(0, 1)
+    _add_rows(y, rows, b_ws, output_slices, 0, add_inputs)
 
 
 # ------------------------------------------------------------------------- PunicaWrapperCPU replacements
