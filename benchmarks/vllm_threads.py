@@ -45,7 +45,6 @@ NAMES = {
 
 def measure(path: str, args: argparse.Namespace) -> dict:
     """One path, in this process: one engine, the thread counts interleaved."""
-
     from trl_dart_es.embedded import load_model, load_tokenizer
     from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
     from trl_dart_es.noise import population

@@ -42,7 +42,7 @@ requires_embedded = pytest.mark.skipif(not _has_embedded_model(), reason="embedd
 
 
 # ------------------------------------------------------------------------------- no engine needed
-def test_sampling_params_greedy_mirror_thegreedy_generation_config():
+def test_sampling_params_greedy_mirror_the_generation_config():
     gc = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=[2, 7], repetition_penalty=1.1)
     kw = sampling_params_kwargs(gc)
     assert kw["temperature"] == 0.0  # vLLM's greedy

@@ -70,8 +70,12 @@ class TokenAdapters:
         return self._one_hot[key]
 
 
-def _stacked(ws: Sequence[torch.Tensor]) -> torch.Tensor:
-    return ws[0] if len(ws) == 1 else torch.cat(tuple(ws), dim=0)
+def _shrink_all(x: torch.Tensor, ws: Sequence[torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(n, S, L, r)``: the first ``n`` tokens of ``x`` against every slice's every adapter, in one GEMM."""
+    num_slices, (num, _, r, fan_in) = len(ws), ws[0].shape
+    stacked = ws[0] if num_slices == 1 else torch.cat(tuple(ws), dim=0)
+    a = stacked.reshape(num_slices * num * r, fan_in).to(dtype)
+    return torch.matmul(x.reshape(-1, fan_in)[:n].to(dtype), a.t()).view(n, num_slices, num, r)
 
 
 def grouped_shrink(
@@ -88,10 +92,9 @@ def grouped_shrink(
     adapter (the other adapters' columns are multiplied by exact zeros).
     """
     n, num_slices = tokens.n, len(ws)
-    num, r, fan_in = ws[0].shape[0], ws[0].shape[-2], ws[0].shape[-1]
+    num, r = ws[0].shape[0], ws[0].shape[-2]
     dtype = y[0].dtype
-    a = _stacked(ws).reshape(num_slices * num * r, fan_in).to(dtype)
-    s = torch.matmul(x.reshape(-1, fan_in)[:n].to(dtype), a.t()).view(n, num_slices, num, r)
+    s = _shrink_all(x, ws, n, dtype)
     one_hot = tokens.one_hot(num, dtype)
     if r == 1:  # (n, S, L) x (n, L, 1): one batched matmul picks every slice's value
         picked = torch.bmm(s.view(n, num_slices, num), one_hot.unsqueeze(-1)).view(n, num_slices, 1)
@@ -169,10 +172,9 @@ def grouped_lora_linear(
     buffers do; the values equal the two-op path's.
     """
     n, num_slices = tokens.n, len(a_ws)
-    num, r, fan_in = a_ws[0].shape[0], a_ws[0].shape[-2], a_ws[0].shape[-1]
-    a = _stacked(a_ws).reshape(num_slices * num * r, fan_in).to(torch.float32)
-    s = torch.matmul(x.reshape(-1, fan_in)[:n].to(torch.float32), a.t()).view(n, num_slices, num, r)
-    rows = s * tokens.one_hot(num, torch.float32).view(n, 1, num, 1)  # (n, S, L, r): zeros off each slot
+    num, r = a_ws[0].shape[0], a_ws[0].shape[-2]
+    one_hot = tokens.one_hot(num, torch.float32).view(n, 1, num, 1)
+    rows = _shrink_all(x, a_ws, n, torch.float32) * one_hot  # (n, S, L, r): zeros off each slot
     if scale != 1.0:
         rows = rows * scale
     # Slice i's rows: an (n, L*r) view with row stride S*L*r, which the GEMM reads without a copy.
