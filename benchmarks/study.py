@@ -108,6 +108,12 @@ VARIANTS.update(
         "vl-answer64-n16b8-anti-k1": {**_CONFIRMED, "difficulty_weight_exponent": 1.0},
         "vl-answer64-n16b8-anti-replay4": {**_CONFIRMED, "replay_ratio": 0.4},
         "vl-answer64-n16b8-anti-s4": {**_CONFIRMED, "sigma": 4e-3},
+        # Centred ranks instead of z-scores; the other population shapes the issue lists (same 128 rollouts
+        # per step); the longest completion budget of the prompt probe.
+        "vl-answer64-n16b8-anti-rank": {**_CONFIRMED, "fitness_shaping": "rank"},
+        "vl-answer64-n32b4-anti": {**_CONFIRMED, "population_size": 32, "per_device_train_batch_size": 4},
+        "vl-answer64-n8b16-anti": {**_CONFIRMED, "population_size": 8, "per_device_train_batch_size": 16},
+        "vl-answer96-n16b8-anti": {**_CONFIRMED, "max_completion_length": 96},
     }
 )
 # (method, its twin): paired by seed in the report.
