@@ -113,11 +113,15 @@ VARIANTS.update(
         "vl-answer64-n16b8-anti-rank": {**_CONFIRMED, "fitness_shaping": "rank"},
         "vl-answer64-n32b4-anti": {**_CONFIRMED, "population_size": 32, "per_device_train_batch_size": 4},
         "vl-answer64-n8b16-anti": {**_CONFIRMED, "population_size": 8, "per_device_train_batch_size": 16},
+        "vl-answer64-n4b32-anti": {**_CONFIRMED, "population_size": 4, "per_device_train_batch_size": 32},
         "vl-answer96-n16b8-anti": {**_CONFIRMED, "max_completion_length": 96},
     }
 )
 # (method, its twin): paired by seed in the report.
-PAIRS = [("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es")]
+PAIRS = [
+    ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
+    ("vl-answer64-n8b16-anti", "vl-answer64-n16b8-anti"),  # twice the problems per member, half the members
+]
 
 
 def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -146,27 +150,36 @@ def _train_clock(budget_s: float | None = None):
     return Clock()
 
 
-def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Train one (variant, seed) run; return its held-out accuracy curve against steps and train seconds."""
-    from trl_dart_es import DartESTrainer
-    from trl_dart_es.benchmark import machine_description, parse_recipe_config, task_reward_funcs
-    from trl_dart_es.tasks import load_task_dataset
+def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tuple:
+    """``(script_args, DartESConfig, model_args, prompt_style, budget_minutes)`` of one (variant, seed) run:
+    quickstart.yaml with the variant's overrides; a budget replaces the step count (the clock stops the run)."""
+    from trl_dart_es.benchmark import parse_recipe_config
     from trl_dart_es.trainer import DartESConfig
-    from trl_dart_es.trainer.baseline import evaluate_untrained
 
     variant = dict(VARIANTS[name])
     style = variant.pop("prompt_style", "steps")
     budget = variant.pop("budget_minutes", None)
     if budget:
-        variant["max_steps"] = 10_000  # the clock stops the run
+        variant["max_steps"] = 10_000
+    values = {
+        **variant, "seed": seed, "output_dir": output_dir, "eval_strategy": "steps", "eval_steps": eval_every,
+        "per_device_eval_batch_size": 64, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+        "disable_tqdm": True,
+    }  # fmt: skip
+    script_args, cfg, model_args = parse_recipe_config(DartESConfig, CONFIG, values)
+    cfg.model_init_kwargs = {"dtype": model_args.dtype or "float32"}
+    return script_args, cfg, model_args, style, budget
+
+
+def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one (variant, seed) run; return its held-out accuracy curve against steps and train seconds."""
+    from trl_dart_es import DartESTrainer
+    from trl_dart_es.benchmark import machine_description, task_reward_funcs
+    from trl_dart_es.tasks import load_task_dataset
+    from trl_dart_es.trainer.baseline import evaluate_untrained
+
     with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
-        values = {
-            **variant, "seed": seed, "output_dir": out, "eval_strategy": "steps", "eval_steps": args.eval_every,
-            "per_device_eval_batch_size": 64, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
-            "disable_tqdm": True,
-        }  # fmt: skip
-        script_args, cfg, model_args = parse_recipe_config(DartESConfig, CONFIG, values)
-        cfg.model_init_kwargs = {"dtype": model_args.dtype or "float32"}
+        script_args, cfg, model_args, style, budget = variant_config(name, seed, out, args.eval_every)
         train = load_task_dataset(script_args.dataset_name, "train", prompt_style=style)
         held_out = load_task_dataset(
             script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts

@@ -1,0 +1,48 @@
+"""The learning study's runner (benchmarks/study.py): every variant is a valid trainer config."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_study():
+    spec = importlib.util.spec_from_file_location("dart_es_study", ROOT / "benchmarks" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+study = _load_study()
+
+
+@pytest.mark.parametrize("name", sorted(study.VARIANTS))
+def test_every_variant_builds_a_valid_config(name, tmp_path):
+    # A misspelled or out-of-range override fails here (DartESConfig checks its values), not an hour into a run.
+    overrides = study.VARIANTS[name]
+    _, cfg, _, style, budget = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
+    for key, value in overrides.items():
+        if key not in ("prompt_style", "budget_minutes", "max_steps"):
+            assert getattr(cfg, key) == value, key
+    assert cfg.seed == 3
+    assert style == overrides.get("prompt_style", "steps")
+    assert budget == overrides.get("budget_minutes")
+    # A time budget replaces the step count; otherwise the variant's (or the quickstart's) steps stand.
+    quickstart_steps = yaml.safe_load(study.CONFIG.read_text())["max_steps"]
+    assert cfg.max_steps == (10_000 if budget else overrides.get("max_steps", quickstart_steps))
+
+
+def test_a_misspelled_override_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(study.VARIANTS, "typo", {**study.VARIANTS["lr-answer32"], "sigmaa": 1e-3})
+    with pytest.raises((ValueError, TypeError), match="sigmaa"):
+        study.variant_config("typo", seed=0, output_dir=str(tmp_path), eval_every=10)
+
+
+def test_pairs_name_defined_variants():
+    for first, second in study.PAIRS:
+        assert first in study.VARIANTS and second in study.VARIANTS
