@@ -121,6 +121,7 @@ VARIANTS.update(
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
     ("vl-answer64-n8b16-anti", "vl-answer64-n16b8-anti"),  # twice the problems per member, half the members
+    ("vl-answer64-n4b32-anti", "vl-answer64-n16b8-anti"),  # four times the problems, a quarter of the members
 ]
 
 
