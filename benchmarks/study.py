@@ -114,6 +114,7 @@ VARIANTS.update(
         "vl-answer64-n32b4-anti": {**_CONFIRMED, "population_size": 32, "per_device_train_batch_size": 4},
         "vl-answer64-n8b16-anti": {**_CONFIRMED, "population_size": 8, "per_device_train_batch_size": 16},
         "vl-answer64-n4b32-anti": {**_CONFIRMED, "population_size": 4, "per_device_train_batch_size": 32},
+        "vl-answer64-n2b64-anti": {**_CONFIRMED, "population_size": 2, "per_device_train_batch_size": 64},
         "vl-answer96-n16b8-anti": {**_CONFIRMED, "max_completion_length": 96},
     }
 )
