@@ -132,7 +132,7 @@ def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _train_clock(budget_s: float | None = None):
     """A callback: seconds spent inside ES steps, and the step-end times, without evaluation; it stops
-    training (after a last evaluation) once `budget_s` train seconds are spent."""
+    training once `budget_s` train seconds are spent, and evaluates the last step."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -146,8 +146,10 @@ def _train_clock(budget_s: float | None = None):
             self.total += time.perf_counter() - self._t0
             self.at_step[state.global_step] = self.total
             if budget_s is not None and self.total >= budget_s:
-                control.should_evaluate = True
                 control.should_training_stop = True
+            # The last step is always evaluated, whether the clock or the step count ends the run.
+            if control.should_training_stop or state.global_step >= state.max_steps:
+                control.should_evaluate = True
 
     return Clock()
 
