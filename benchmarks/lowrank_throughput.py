@@ -1,7 +1,7 @@
 """Throughput of low-rank population batching (EGGROLL) against plain batched inference and full-rank ES.
 
 On the embedded SmolLM2-135M with the quickstart shape (N members x B prompts, `max_completion_length` from
-recipes/configs/quickstart.yaml), measures in one run:
+recipes/configs/quickstart_fullrank.yaml), measures in one run:
 
 (a) plain batched inference: the unperturbed model on the same N*B rows, one `generate` call;
 (b) low-rank population generation: `LowRankRollout.generate_population`, one `generate` over N*B rows with
@@ -41,7 +41,7 @@ from trl_dart_es.rollout.transformers import TransformersRollout, greedy_generat
 from trl_dart_es.tasks import load_task_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "recipes" / "configs" / "quickstart.yaml"
+QUICKSTART = ROOT / "recipes" / "configs" / "quickstart_fullrank.yaml"
 
 
 def quickstart_shape() -> dict:

@@ -2,7 +2,7 @@
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/scaling.py      # writes docs/benchmarks/scaling.{json,md}
 
-Runs the quickstart (recipes/configs/quickstart.yaml: embedded SmolLM2-135M, embedded GSM8K, N = 8, B = 16,
+Runs the quickstart (recipes/configs/quickstart_fullrank.yaml: embedded SmolLM2-135M, embedded GSM8K, N = 8, B = 16,
 64 new tokens) for `--steps` ES steps, twice:
 
 * 1 process with `--threads` threads (default: all cores);
@@ -253,7 +253,7 @@ def _markdown(result: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="recipes/configs/quickstart.yaml")
+    p.add_argument("--config", default="recipes/configs/quickstart_fullrank.yaml")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores to use in all")
     p.add_argument("--output", default="docs/benchmarks/scaling", help="writes OUTPUT.json and OUTPUT.md")

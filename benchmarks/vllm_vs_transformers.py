@@ -1,7 +1,7 @@
 """DART-ES step time, generation throughput and peak memory: vLLM backend vs transformers backend.
 
 Both backends run the same DART-ES steps (same model, data, seed, population and batch: the quickstart
-settings from recipes/configs/quickstart.yaml) one after the other, each in its own child process so that
+settings from recipes/configs/quickstart_fullrank.yaml) one after the other, each in its own child process so that
 peak memory is measured per backend. Each child runs one warm-up step and then `--steps` measured steps.
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_vs_transformers.py            # ~15 min on 2 cores
@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "recipes" / "configs" / "quickstart.yaml"
+QUICKSTART = REPO / "recipes" / "configs" / "quickstart_fullrank.yaml"
 # Used when the quickstart config is missing a field.
 FALLBACK = dict(population_size=8, per_device_train_batch_size=32, max_completion_length=64, sigma=2e-3)
 BACKENDS = ("transformers", "vllm")

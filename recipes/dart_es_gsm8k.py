@@ -4,39 +4,24 @@
     accelerate launch recipes/dart_es_gsm8k.py --config recipes/configs/gsm8k_qwen.yaml
     accelerate launch --multi_gpu --num_processes 2 recipes/dart_es_gsm8k.py --config ...   # population split
 
-Any field of TaskArguments (TRL's ScriptArguments plus two task options), DartESConfig or ModelConfig can be
-set in the YAML or on the command line.
+Any field of TaskArguments (TRL's ScriptArguments plus two task options: trl_dart_es/tasks/arguments.py),
+DartESConfig or ModelConfig can be set in the YAML or on the command line.
 """
 
-from dataclasses import dataclass, field
-
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dart_es import DartESConfig, DartESTrainer
 from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
-from trl_dart_es.tasks import load_task_dataset
+from trl_dart_es.tasks.arguments import TaskArguments
 from trl_dart_es.trainer.baseline import evaluate_untrained
-
-
-@dataclass
-class TaskArguments(ScriptArguments):
-    prompt_style: str = field(
-        default="steps",
-        metadata={
-            "help": "System prompt: a key of trl_dart_es.tasks.gsm8k.PROMPT_STYLES ('steps', 'answer', ...)."
-        },
-    )
-    eval_num_examples: int | None = field(
-        default=None, metadata={"help": "Held-out prompts to generate (offline tasks only; default 128)."}
-    )
 
 
 def main(script_args: TaskArguments, training_args: DartESConfig, model_args: ModelConfig) -> None:
     # Data: "openai/gsm8k" from the hub, or "embedded:gsm8k", the offline GSM8K-style generator.
-    name, style = script_args.dataset_name, script_args.prompt_style
-    train_dataset = load_task_dataset(name, script_args.dataset_train_split, prompt_style=style)
-    size = {"num_examples": script_args.eval_num_examples} if script_args.eval_num_examples else {}
-    eval_dataset = load_task_dataset(name, script_args.dataset_test_split, prompt_style=style, **size)
+    # `prompt_style` and `eval_num_examples` (TaskArguments) choose the offline task's prompt and held-out size.
+    name = script_args.dataset_name
+    train_dataset = script_args.load_split(script_args.dataset_train_split)
+    eval_dataset = script_args.load_split(script_args.dataset_test_split)
 
     # Model: a hub id, a local path, or "embedded:smollm2-135m" (offline).
     training_args.model_init_kwargs = {

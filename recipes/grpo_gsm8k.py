@@ -7,26 +7,27 @@ recipes/dart_es_gsm8k.py, so that the two can be compared (see docs/benchmarks.m
     accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero3_cpu.yaml recipes/grpo_gsm8k.py \
         --config recipes/configs/grpo_quickstart.yaml
 
-Any field of ScriptArguments, GRPOConfig or ModelConfig can be set in the YAML or on the command line; with
+Any field of TaskArguments (ScriptArguments plus the task options), GRPOConfig or ModelConfig can be set in the YAML or on the command line; with
 `--use_peft true` this is GRPO+LoRA (recipes/grpo_lora_gsm8k.py sets it for you).
 """
 
 import os
 import sys
 
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 from trl.models.utils import unwrap_model_for_generation
 
 from trl_dart_es.benchmark import evaluate_greedy
 from trl_dart_es.embedded import resolve_model_path
 from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
-from trl_dart_es.tasks import load_task_dataset
+from trl_dart_es.tasks.arguments import TaskArguments
 
 
-def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
-    # Data: "openai/gsm8k" from the hub, or "embedded:gsm8k", the offline GSM8K-style generator.
-    train_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_train_split)
-    eval_dataset = load_task_dataset(script_args.dataset_name, script_args.dataset_test_split)
+def main(script_args: TaskArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
+    # Data: "openai/gsm8k" from the hub, or "embedded:gsm8k", the offline GSM8K-style generator (with the
+    # DART-ES recipe's `prompt_style` and `eval_num_examples`).
+    train_dataset = script_args.load_split(script_args.dataset_train_split)
+    eval_dataset = script_args.load_split(script_args.dataset_test_split)
     reward_funcs = [gsm8k_accuracy_reward, gsm8k_format_reward]
 
     # Model: a hub id, a local path, or "embedded:smollm2-135m" (converted once to a local folder).
@@ -88,5 +89,5 @@ def cpu_launch_args(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((TaskArguments, GRPOConfig, ModelConfig))
     main(*parser.parse_args_and_config(cpu_launch_args(sys.argv[1:])))

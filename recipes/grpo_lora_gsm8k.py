@@ -10,14 +10,16 @@ Everything else is recipes/grpo_gsm8k.py.
 import os
 import sys
 
-from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
+from trl import GRPOConfig, ModelConfig, TrlParser
+
+from trl_dart_es.tasks.arguments import TaskArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_gsm8k import cpu_launch_args  # noqa: E402
 from grpo_gsm8k import main as grpo_main  # noqa: E402
 
 
-def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
+def main(script_args: TaskArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
     model_args.use_peft = True
     if model_args.lora_target_modules is None:  # every linear layer, the usual GRPO+LoRA set-up
         model_args.lora_target_modules = "all-linear"
@@ -25,5 +27,5 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((TaskArguments, GRPOConfig, ModelConfig))
     main(*parser.parse_args_and_config(cpu_launch_args(sys.argv[1:])))

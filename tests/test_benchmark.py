@@ -59,11 +59,20 @@ def test_method_registry():
     # The inference row generates with the low-rank rollout's batching (all N x B rows in one call).
     assert bench.METHODS["inference"].overrides["perturbation"] == "lowrank"
     assert bench.METHODS["dart-es-noise-cache"].overrides["noise_cache"] == "on"
-    # Plain ES is the DART-ES config with the two switches off, nothing else.
-    dart, es = bench.METHODS["dart-es"], bench.METHODS["es"]
-    assert dart.configs == es.configs and dart.kind == es.kind == "es"
-    assert set(dart.overrides) == set(es.overrides) == {"use_difficulty_reweighting", "use_targeted_replay"}
-    assert all(dart.overrides.values()) and not any(es.overrides.values())
+    # Plain ES is the DART-ES row with the two switches off, nothing else, on either backend pair.
+    switches = {"use_difficulty_reweighting", "use_targeted_replay"}
+    for dart_name, es_name in (("dart-es", "es"), ("dart-es-vllm-lowrank", "es-vllm-lowrank")):
+        dart, es = bench.METHODS[dart_name], bench.METHODS[es_name]
+        assert dart.configs == es.configs and dart.kind == es.kind == "es"
+        assert set(dart.overrides) == set(es.overrides) and switches <= set(dart.overrides)
+        assert all(dart.overrides[k] for k in switches) and not any(es.overrides[k] for k in switches)
+        assert {k: v for k, v in dart.overrides.items() if k not in switches} == {
+            k: v for k, v in es.overrides.items() if k not in switches
+        }
+    # Every ES row pins its backend, whatever the demo config (quickstart.yaml) generates with.
+    for m in bench.METHODS.values():
+        if m.kind in ("es", "inference"):
+            assert {"perturbation", "use_vllm"} <= set(m.overrides), m.name
     assert all(m.kind in bench.RUNNERS for m in bench.METHODS.values())
 
 

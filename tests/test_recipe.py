@@ -21,6 +21,8 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
                 "dataset_name: embedded:gsm8k",
                 "dataset_train_split: validation",  # 128 rows: the smallest offline split
                 "dataset_test_split: test",
+                "prompt_style: answer",  # the task options of TaskArguments, as quickstart.yaml sets them
+                "eval_num_examples: 24",
                 f"output_dir: {out}",
                 "use_cpu: true",
                 "population_size: 2",
@@ -46,5 +48,6 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out metric" in proc.stdout and "eval_accuracy" in proc.stdout
+    assert "Held-out: 24 prompts" in proc.stdout
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
     assert "dart-es" in (out / "README.md").read_text()

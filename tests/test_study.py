@@ -67,3 +67,18 @@ def test_train_clock_evaluates_the_last_step_and_stops_at_the_budget():
     timed.on_step_begin(None, state, control)
     timed.on_step_end(None, state, control)
     assert control.should_training_stop and control.should_evaluate
+
+
+def test_the_demo_config_is_the_study_variant_it_names():
+    """quickstart.yaml runs the study's `demo` variant: N4xB32 for a fixed step count, default LoRA kernel."""
+    demo = yaml.safe_load((study.ROOT / "recipes" / "configs" / "quickstart.yaml").read_text())
+    variant = study.VARIANTS["demo"]
+    assert {k: demo.get(k) for k in variant} == variant
+    base = yaml.safe_load(study.CONFIG.read_text())  # what the variant does not override is the study's base
+    rest = set(demo) - set(variant) - {"output_dir", "eval_num_examples"}
+    assert {k: demo[k] for k in rest} == {k: base.get(k) for k in rest}
+    assert "vllm_lora_kernel" not in demo and demo["eval_num_examples"] >= 256
+    # Against the confirmed N4xB32 variant only the run length (steps, not a time budget) and the kernel differ.
+    confirmed = study.VARIANTS["vl-answer64-n4b32-anti"]
+    differ = {k for k in {*confirmed, *variant} if confirmed.get(k) != variant.get(k)}
+    assert differ == {"budget_minutes", "vllm_lora_kernel", "max_steps"}

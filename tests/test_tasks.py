@@ -188,3 +188,21 @@ def test_held_out_wording_never_reaches_the_train_split():
     assert [wording_of(q) for q in test["question"]] == test["wording"]
     held_out = test["wording"].count("held_out")
     assert 0.05 * len(test) < held_out < 0.5 * len(test)
+
+
+def test_task_arguments_load_splits_with_the_options_that_are_set():
+    from trl_dart_es.tasks import load_task_dataset
+    from trl_dart_es.tasks.arguments import TaskArguments
+
+    args = TaskArguments(
+        dataset_name="embedded:gsm8k", dataset_test_split="test", prompt_style="answer", eval_num_examples=12
+    )
+    held_out, train = args.load_split("test"), args.load_split("validation")
+    assert len(held_out) == 12  # the held-out size applies to the test split only
+    assert len(train) == len(load_task_dataset("embedded:gsm8k", "validation"))
+    answer = load_task_dataset("embedded:gsm8k", "test", prompt_style="answer", num_examples=12)
+    assert held_out["prompt"] == answer["prompt"]
+    assert held_out["prompt"] != load_task_dataset("embedded:gsm8k", "test", num_examples=12)["prompt"]
+    # Unset options are not passed: a task without prompt styles loads as it always did.
+    countdown = TaskArguments(dataset_name="embedded:countdown", dataset_test_split="test").load_split("test")
+    assert len(countdown) == len(load_task_dataset("embedded:countdown", "test"))

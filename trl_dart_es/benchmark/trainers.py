@@ -3,7 +3,6 @@ workload (and any per-run overrides) applied on top. Every mode of the harness t
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Mapping
@@ -36,21 +35,9 @@ def parse_recipe_config(config_cls: type, config: str | Path | None, values: dic
     return TrlParser((_task_arguments(), config_cls, ModelConfig)).parse_args_and_config(args)
 
 
-@functools.cache
 def _task_arguments() -> type:
-    """TRL's ScriptArguments plus the recipe's two task options (built on first use: TRL is a heavy import)."""
-    from dataclasses import dataclass, field
-
-    from trl import ScriptArguments
-
-    @dataclass
-    class TaskArguments(ScriptArguments):
-        prompt_style: str | None = field(
-            default=None, metadata={"help": "System prompt style of the task (trl_dart_es.tasks.gsm8k)."}
-        )
-        eval_num_examples: int | None = field(
-            default=None, metadata={"help": "Held-out prompts to generate (offline tasks only)."}
-        )
+    """The recipes' `TaskArguments` (imported on first use: TRL is a heavy import)."""
+    from ..tasks.arguments import TaskArguments
 
     return TaskArguments
 
