@@ -353,3 +353,17 @@ def test_rows_report_the_largest_single_process_next_to_the_whole_tree(tmp_path)
     assert "peak_mem_mb_max_process" in failed and failed["peak_mem_mb_max_process"] is None
     md = bench.render_markdown([row, row1], bench.SHORT)
     assert "| grpo-zero3 | 2 | 2.93 | 1.37 |" in md and "| dart-es | 1 | 2.93 | 1.17 |" in md
+
+
+def test_the_curves_dart_es_is_the_demo_config_as_it_is():
+    """`--curves`' DART-ES row overrides nothing that quickstart.yaml (the demo) sets otherwise, and its ES row
+    is the demo's plain-ES twin (es_quickstart.yaml's switches)."""
+    demo = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    es = yaml.safe_load((CONFIGS / "es_quickstart.yaml").read_text())
+    dart_name, es_name = bench.CURVE_METHODS[:2]
+    assert bench.METHODS[dart_name].configs[0] == "quickstart.yaml"
+    for key, value in bench.METHODS[dart_name].overrides.items():
+        assert demo[key] == value, key
+    for key, value in bench.METHODS[es_name].overrides.items():
+        assert es[key] == value, key
+    assert {"grpo", "grpo-lora"} <= set(bench.CURVE_METHODS)

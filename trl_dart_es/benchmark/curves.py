@@ -695,7 +695,8 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    palette = {"dart-es": "#4c72b0", "es": "#55a868", "grpo": "#c44e52", "grpo-lora": "#dd8452"}
+    palette = {"dart-es": "#4c72b0", "es": "#55a868", "grpo": "#c44e52", "grpo-lora": "#dd8452",
+               "dart-es-vllm-lowrank": "#4c72b0", "es-vllm-lowrank": "#55a868"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
         mine = [r for r in runs if r["method"] == method]

@@ -177,8 +177,9 @@ DEFAULT_METHODS: tuple[str, ...] = tuple(
 )
 
 
-# `--curves` compares these by default: DART-ES (the demo config), plain ES, and the two GRPO baselines.
-CURVE_METHODS: tuple[str, ...] = ("dart-es", "es", "grpo", "grpo-lora")
+# `--curves` compares these by default: DART-ES as the demo runs it (quickstart.yaml: low rank on vLLM), its
+# plain-ES twin, and the two GRPO baselines.
+CURVE_METHODS: tuple[str, ...] = ("dart-es-vllm-lowrank", "es-vllm-lowrank", "grpo", "grpo-lora")
 
 
 def _missing_requirements(method: BenchMethod) -> list[str]:
