@@ -26,7 +26,9 @@ sys.path.insert(0, str(RECIPES))
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser  # noqa: E402
+
+from trl_dart_es.tasks.arguments import TaskArguments  # noqa: E402
 
 
 def _trainable_snapshot(engine) -> dict[str, torch.Tensor]:
@@ -97,7 +99,7 @@ def main() -> None:
         Path(cli.probe_out)
     )  # the recipe builds its trainer from this name
     recipe = importlib.import_module(cli.recipe)
-    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((TaskArguments, GRPOConfig, ModelConfig))
     recipe.main(*parser.parse_args_and_config(grpo.cpu_launch_args(recipe_argv)))
 
 
