@@ -7,8 +7,9 @@ recipes/dart_es_gsm8k.py, so that the two can be compared (see docs/benchmarks.m
     accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero3_cpu.yaml recipes/grpo_gsm8k.py \
         --config recipes/configs/grpo_quickstart.yaml
 
-Any field of TaskArguments (ScriptArguments plus the task options), GRPOConfig or ModelConfig can be set in the YAML or on the command line; with
-`--use_peft true` this is GRPO+LoRA (recipes/grpo_lora_gsm8k.py sets it for you).
+Any field of TaskArguments (ScriptArguments plus the task options), GRPOConfig or ModelConfig can be set in
+the YAML or on the command line; with `--use_peft true` this is GRPO+LoRA (recipes/grpo_lora_gsm8k.py sets it
+for you).
 """
 
 import os
