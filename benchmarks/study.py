@@ -301,19 +301,21 @@ def report(args: argparse.Namespace) -> None:
     if pairs:
         lines += [
             "",
-            "Paired by seed (final accuracy of the first minus the second; 95% t-interval):",
+            "Paired by seed (the first minus the second, in points; 95% t-interval), on final accuracy and on the"
+            " gain over each variant's own step 0:",
             "",
-            "| first | second | seeds | differences | mean | 95% CI | |",
-            "| --- | --- | --- | --- | ---: | --- | --- |",
+            "| first | second | seeds | measure | differences | mean | 95% CI | |",
+            "| --- | --- | --- | --- | --- | ---: | --- | --- |",
         ]
         for p in pairs:
-            lo, hi = p["ci95"]
-            verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
-            lines.append(
-                f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} "
-                f"| {', '.join(f'{100 * d:+.1f}' for d in p['differences'])} | {100 * p['mean']:+.1f} "
-                f"| [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
-            )
+            for measure, key in (("final accuracy", ""), ("gain", "gain_")):
+                lo, hi = p[f"{key}ci95"]
+                verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
+                lines.append(
+                    f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} | {measure} "
+                    f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
+                    f"| {100 * p[f'{key}mean']:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
+                )
     lines += ["", "Variants (overrides of recipes/configs/quickstart_fullrank.yaml):", ""]
     lines += [
         f"- `{name}`: `{json.dumps(VARIANTS[name])}`"
@@ -327,19 +329,25 @@ def report(args: argparse.Namespace) -> None:
 
 
 def _paired(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each of `PAIRS` with at least 2 common seeds: final-accuracy differences by seed and their t-interval."""
+    """For each of `PAIRS` with at least 2 common seeds: final-accuracy differences by seed and their t-interval,
+    and the same for the gains (which differ from the former when the two start from different accuracies, as
+    variants with different prompts do)."""
     from trl_dart_es.benchmark.stats import paired_t_interval
 
     final = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] for r in runs}
+    gain = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs}
     out = []
     for first, second in PAIRS:
         seeds = sorted(s for (v, s) in final if v == first and (second, s) in final)
         if len(seeds) < 2:
             continue
         diffs = [final[first, s] - final[second, s] for s in seeds]
+        gain_diffs = [gain[first, s] - gain[second, s] for s in seeds]
         mean, lo, hi = paired_t_interval(diffs)
+        gain_mean, gain_lo, gain_hi = paired_t_interval(gain_diffs)
         out.append({"first": first, "second": second, "seeds": seeds, "differences": diffs, "mean": mean,
-                    "ci95": [lo, hi]})  # fmt: skip
+                    "ci95": [lo, hi], "gain_differences": gain_diffs, "gain_mean": gain_mean,
+                    "gain_ci95": [gain_lo, gain_hi]})  # fmt: skip
     return out
 
 

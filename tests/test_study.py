@@ -82,3 +82,18 @@ def test_the_demo_config_is_the_study_variant_it_names():
     confirmed = study.VARIANTS["vl-answer64-n4b32-anti"]
     differ = {k for k in {*confirmed, *variant} if confirmed.get(k) != variant.get(k)}
     assert differ == {"budget_minutes", "vllm_lora_kernel", "max_steps"}
+
+
+def test_pairs_compare_final_accuracy_and_gain_by_seed(monkeypatch):
+    monkeypatch.setattr(study, "PAIRS", [("a", "b")])
+
+    def run(variant, seed, start, end):
+        return {"variant": variant, "seed": seed, "points": [{"accuracy": start}, {"accuracy": end}]}
+
+    runs = [run("a", 0, 0.30, 0.40), run("a", 1, 0.30, 0.36), run("b", 0, 0.20, 0.25), run("b", 1, 0.20, 0.24)]
+    runs.append(run("b", 2, 0.20, 0.30))  # no twin: not paired
+    (pair,) = study._paired(runs)
+    assert pair["seeds"] == [0, 1]
+    assert pair["differences"] == pytest.approx([0.15, 0.12])
+    assert pair["gain_differences"] == pytest.approx([0.05, 0.02])
+    assert pair["gain_mean"] == pytest.approx(0.035) and pair["gain_ci95"][0] < 0.035 < pair["gain_ci95"][1]
