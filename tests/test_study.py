@@ -90,7 +90,12 @@ def test_pairs_compare_final_accuracy_and_gain_by_seed(monkeypatch):
     def run(variant, seed, start, end):
         return {"variant": variant, "seed": seed, "points": [{"accuracy": start}, {"accuracy": end}]}
 
-    runs = [run("a", 0, 0.30, 0.40), run("a", 1, 0.30, 0.36), run("b", 0, 0.20, 0.25), run("b", 1, 0.20, 0.24)]
+    runs = [
+        run("a", 0, 0.30, 0.40),
+        run("a", 1, 0.30, 0.36),
+        run("b", 0, 0.20, 0.25),
+        run("b", 1, 0.20, 0.24),
+    ]
     runs.append(run("b", 2, 0.20, 0.30))  # no twin: not paired
     (pair,) = study._paired(runs)
     assert pair["seeds"] == [0, 1]
