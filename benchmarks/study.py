@@ -8,9 +8,8 @@ Every variant is the pre-study demo recipe (recipes/configs/quickstart_fullrank.
 overrides in `VARIANTS`, trained for the same number of rollouts (steps x N x B) unless the variant says
 otherwise. Held-out: greedy accuracy of the unperturbed model on `--eval-prompts` test prompts (disjoint from
 train), in the variant's prompt style and completion length, at step 0, every `--eval-every` steps and at the
-last step. `train_seconds` counts ES steps only, not
-evaluation. Each finished (variant, seed) is written to docs/benchmarks/study_runs/ at once, so an
-interrupted study loses at most the run in progress.
+last step. `train_seconds` counts ES steps only, not evaluation. Each finished (variant, seed) is written to
+docs/benchmarks/study_runs/ at once, so an interrupted study loses at most the run in progress.
 """
 
 from __future__ import annotations

@@ -23,23 +23,15 @@ def _cli(values: dict[str, Any]) -> list[str]:
 
 
 def parse_recipe_config(config_cls: type, config: str | Path | None, values: dict[str, Any]) -> tuple:
-    """(ScriptArguments, config, ModelConfig) exactly as a recipe's TrlParser builds them from `config` (a YAML
-    file, or None for the defaults), with `values` applied on top as command-line overrides.
-
-    The ScriptArguments also accept the task options of recipes/dart_es_gsm8k.py (`prompt_style`,
-    `eval_num_examples`), so a recipe config that sets them parses here too.
-    """
+    """(TaskArguments, config, ModelConfig) exactly as a recipe's TrlParser builds them from `config` (a YAML
+    file, or None for the defaults), with `values` applied on top as command-line overrides. `TaskArguments` is
+    the recipes' own (ScriptArguments plus `prompt_style`, `eval_num_examples`), so every recipe config parses."""
     from trl import ModelConfig, TrlParser
 
+    from ..tasks.arguments import TaskArguments  # here, not at module level: TRL is a heavy import
+
     args = (["--config", str(config)] if config else []) + _cli(values)
-    return TrlParser((_task_arguments(), config_cls, ModelConfig)).parse_args_and_config(args)
-
-
-def _task_arguments() -> type:
-    """The recipes' `TaskArguments` (imported on first use: TRL is a heavy import)."""
-    from ..tasks.arguments import TaskArguments
-
-    return TaskArguments
+    return TrlParser((TaskArguments, config_cls, ModelConfig)).parse_args_and_config(args)
 
 
 def _use_cuda(workload: Workload) -> bool:
