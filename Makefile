@@ -36,7 +36,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" --durations=15
 
 test-all: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q

@@ -124,12 +124,15 @@ VARIANTS["demo"] = {
     **{k: v for k, v in VARIANTS["vl-answer64-n4b32-anti"].items() if k not in ("budget_minutes", "vllm_lora_kernel")},
     "max_steps": 18,
 }  # fmt: skip
+# The demo's plain-ES twin (recipes/configs/es_quickstart.yaml): the two DART-ES switches off, nothing else changed.
+VARIANTS["demo-es"] = {**VARIANTS["demo"], "use_difficulty_reweighting": False, "use_targeted_replay": False}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
     ("vl-answer64-n8b16-anti", "vl-answer64-n16b8-anti"),  # twice the problems per member, half the members
     ("vl-answer64-n4b32-anti", "vl-answer64-n16b8-anti"),  # four times the problems, a quarter of the members
     ("demo", "old-quickstart"),  # the demo before and after the study
+    ("demo", "demo-es"),  # DART-ES against plain ES at the demo's settings
 ]
 
 

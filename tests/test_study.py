@@ -84,6 +84,17 @@ def test_the_demo_config_is_the_study_variant_it_names():
     assert differ == {"budget_minutes", "vllm_lora_kernel", "max_steps"}
 
 
+def test_the_demo_es_twin_differs_only_in_the_two_dart_switches():
+    """`demo-es` is es_quickstart.yaml as the study runs it: DART-ES's two switches off, nothing else changed."""
+    demo, twin = study.VARIANTS["demo"], study.VARIANTS["demo-es"]
+    differ = {k for k in {*demo, *twin} if demo.get(k) != twin.get(k)}
+    assert differ == {"use_difficulty_reweighting", "use_targeted_replay"}
+    assert not twin["use_difficulty_reweighting"] and not twin["use_targeted_replay"]
+    es = yaml.safe_load((study.ROOT / "recipes" / "configs" / "es_quickstart.yaml").read_text())
+    assert {k: es.get(k) for k in twin} == twin
+    assert ("demo", "demo-es") in study.PAIRS
+
+
 def test_pairs_compare_final_accuracy_and_gain_by_seed(monkeypatch):
     monkeypatch.setattr(study, "PAIRS", [("a", "b")])
 
