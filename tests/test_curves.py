@@ -132,6 +132,17 @@ def test_settings_name_the_config_and_what_was_overridden():
     assert curves.curve_run_path("d", "es", 2, "s").name == "es-seed2-s.json"
 
 
+def test_config_digest_follows_values_not_comments(tmp_path):
+    base = tmp_path / "a.yaml"
+    base.write_text("sigma: 0.002\nlearning_rate: 1.0e-3\n")
+    commented = tmp_path / "b.yaml"
+    commented.write_text("# why sigma is what it is\nlearning_rate:   1.0e-3\nsigma: 0.002  # tuned\n")
+    changed = tmp_path / "c.yaml"
+    changed.write_text("sigma: 0.003\nlearning_rate: 1.0e-3\n")
+    assert curves.config_digest(base) == curves.config_digest(commented)
+    assert curves.config_digest(base) != curves.config_digest(changed)
+
+
 # ------------------------------------------------------------------------------------------------ report
 def _fake_run(method, seed, accs, settings, peak=2048.0):
     """A finished run with points at step 0 and at the marks 300, 600, 900 s (each a little after its mark)."""

@@ -238,8 +238,9 @@ def curve_settings(
 ) -> dict[str, Any]:
     """What makes two runs of `method` comparable: a finished run with the same settings is not run again.
 
-    It holds the workload, the budget and marks, the recipe config (its path and a hash of its text: editing
-    the demo config makes its runs stale), the method's own fields and the run's overrides.
+    It holds the workload, the budget and marks, the recipe config (its path and a hash of its content: changing
+    a value in the demo config makes its runs stale, editing a comment does not), the method's own fields and
+    the run's overrides.
     """
     workload, config_overrides = split_overrides(workload.resolved(), overrides or {})
     workload = workload.resolved()
@@ -248,7 +249,7 @@ def curve_settings(
     config = _config_path(METHODS[method], workload)
     digest = None
     if config is not None:
-        digest = hashlib.sha256(Path(config).read_bytes()).hexdigest()[:16]
+        digest = config_digest(config)
         path = Path(config).resolve()
         config = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
     return {
@@ -261,6 +262,14 @@ def curve_settings(
         "overrides": dict(config_overrides),
         "tag": tag,
     }
+
+
+def config_digest(path: str | Path) -> str:
+    """A hash of a YAML config's content (keys and values, not comments or layout)."""
+    import yaml
+
+    content = yaml.safe_load(Path(path).read_text())
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def curve_run_path(runs_dir: str | Path, method: str, seed: int, tag: str | None = None) -> Path:
