@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..digest import json_digest
 from .machine import machine_description, utc_now
 from .methods import METHODS, _missing_requirements
 from .stats import includes_zero, paired_t_interval
@@ -269,7 +269,7 @@ def config_digest(path: str | Path) -> str:
     import yaml
 
     content = yaml.safe_load(Path(path).read_text())
-    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_digest(content, 16)
 
 
 def curve_run_path(runs_dir: str | Path, method: str, seed: int, tag: str | None = None) -> Path:
@@ -302,9 +302,8 @@ def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path 
     import transformers
 
     args = trainer.args
-    rows = json.dumps(held_out.to_dict(), sort_keys=True, default=str).encode()
     parts = {
-        "rows": hashlib.sha256(rows).hexdigest(),
+        "rows": json_digest(held_out.to_dict()),
         "workload": {k: getattr(workload, k) for k in ("model", "dtype", "dataset", "test_split", "eval_prompts",
                                                          "eval_batch_size", "max_completion_length", "prompt_style")},
         # The evaluation path: transformers (plain or PEFT-wrapped model) or DART-ES's vLLM engine.
@@ -314,8 +313,7 @@ def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path 
         "device": str(next(trainer.model.parameters()).device.type),
         "versions": [torch.__version__, transformers.__version__],
     }  # fmt: skip
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return embedded_cache_dir() / "baselines" / f"harness-{key}.json"
+    return embedded_cache_dir() / "baselines" / f"harness-{json_digest(parts, 24)}.json"
 
 
 def curve_child(

@@ -9,12 +9,12 @@ evaluated as usual.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..digest import json_digest
 from ..embedded import embedded_cache_dir, is_embedded
 
 if TYPE_CHECKING:
@@ -32,9 +32,7 @@ def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str
     parts = {
         "model": model_name,
         "dtype": str(next(trainer.model.parameters()).dtype),
-        "rows": hashlib.sha256(
-            json.dumps(dataset.to_dict(), sort_keys=True, default=str).encode()
-        ).hexdigest(),
+        "rows": json_digest(dataset.to_dict()),
         "max_completion_length": args.max_completion_length,
         "generation_kwargs": args.generation_kwargs,
         "chat_template_kwargs": args.chat_template_kwargs,
@@ -46,7 +44,7 @@ def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str
         "primary_reward_index": args.primary_reward_index,
         "versions": [torch.__version__, transformers.__version__],
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return json_digest(parts, 24)
 
 
 def evaluate_untrained(
