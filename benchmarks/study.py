@@ -126,6 +126,10 @@ VARIANTS["demo"] = {
 }  # fmt: skip
 # The demo's plain-ES twin (recipes/configs/es_quickstart.yaml): the two DART-ES switches off, nothing else changed.
 VARIANTS["demo-es"] = {**VARIANTS["demo"], "use_difficulty_reweighting": False, "use_targeted_replay": False}
+# One-setting screens of the demo: a 2x larger step (with N = 4 the ~18 steps move a weight about sigma in all,
+# and the curves level off after 5-10 minutes) and a 2x larger sigma (the best one-setting screen at N16xB8).
+VARIANTS["demo-lr2"] = {**VARIANTS["demo"], "learning_rate": 2e-3}
+VARIANTS["demo-s4"] = {**VARIANTS["demo"], "sigma": 4e-3}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
