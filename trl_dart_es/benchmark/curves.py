@@ -597,7 +597,7 @@ def _pct_spread(s: Mapping[str, float] | None) -> str:
 
 def render_curves_markdown(runs: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
     """curves.md: accuracy at fixed training times with peak memory, paired differences, accuracy per group."""
-    lines = ["# Accuracy against training time: DART-ES vs ES vs GRPO", ""]
+    lines = ["# Accuracy against training time: DART-ES vs ES vs GRPO vs GRPO+LoRA", ""]
     if not runs:
         return "\n".join([*lines, "No finished runs.", ""])
     first = runs[0]
