@@ -368,3 +368,19 @@ def test_evaluation_reports_clipped_ratio_and_accuracy_per_level_and_wording(tmp
     for value in ("seen", "held_out"):
         assert metrics[f"eval_accuracy/wording_{value}"] == pytest.approx(solved[wording == value].mean())
     assert "eval_accuracy/level1" not in trainer.evaluate_dataset(_dataset(3))  # no level column, no split
+
+
+def test_learning_rate_schedule_reaches_the_es_update(tmp_path, tiny_lm, tokenizer):
+    trainer = _trainer(
+        tmp_path, tiny_lm, tokenizer, max_steps=3, learning_rate=0.3, lr_scheduler_type="linear"
+    )
+    used, update = [], trainer.es_params.update
+
+    def spy(members, z, lr):
+        used.append(lr)
+        return update(members, z, lr)
+
+    trainer.es_params.update = spy
+    trainer.train()
+    # Linear decay to 0 over max_steps: step k uses α (1 - k / 3).
+    assert used == pytest.approx([0.3, 0.2, 0.1])
