@@ -133,6 +133,8 @@ VARIANTS["demo-s4"] = {**VARIANTS["demo"], "sigma": 4e-3}
 # demo-lr2 peaked at step 10 (seed 0: 31.6%) and fell back by step 18 (29.3%): the same 2x start, decayed
 # linearly to 0, so the run's mean step size is the demo's.
 VARIANTS["demo-lr2-linear"] = {**VARIANTS["demo-lr2"], "lr_scheduler_type": "linear"}
+# 64 problems per member at N = 4: the same 2,304 rollouts as the demo in half the steps.
+VARIANTS["demo-n4b64"] = {**VARIANTS["demo"], "per_device_train_batch_size": 64, "max_steps": 9}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
