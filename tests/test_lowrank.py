@@ -10,7 +10,7 @@ from conftest import length_reward, make_tiny_llama, parity_reward, tiny_es_conf
 from torch import nn
 
 from trl_dart_es import DartESConfig, DartESTrainer
-from trl_dart_es.lowrank import LowRankParameters
+from trl_dart_es.lowrank import LowRankParameters, lora_carried_names, select_by_module
 from trl_dart_es.noise import Member, gaussian, population
 from trl_dart_es.rollout.lowrank import LowRankRollout
 from trl_dart_es.rollout.transformers import (
@@ -381,6 +381,36 @@ def test_trainer_trains_with_lowrank_population_batching(tmp_path, tokenizer):
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert "model.embed_tokens.weight" in changed and "model.norm.weight" in changed
     assert all(log["update_norm"] > 0 for log in trainer.state.log_history[:2])
+
+
+def test_select_by_module_matches_the_owning_module_like_peft():
+    names = lora_carried_names(make_tiny_llama())
+    mlp = select_by_module(names, ["gate_proj", "up_proj", "down_proj"])
+    assert mlp == [n for n in names if ".mlp." in n] and len(mlp) == 2 * 3  # 2 layers x 3 projections
+    assert select_by_module(["model.norm.weight", "x.weight"], {"norm"}) == ["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"\['dense'\] match no evolvable tensor"):
+        select_by_module(names, ["down_proj", "dense"])
+
+
+def test_trainer_evolves_only_the_target_modules(tmp_path, tokenizer):
+    trainer = _lowrank_trainer(tmp_path / "out", tokenizer, lowrank_target_modules=["down_proj", "o_proj"])
+    assert trainer.es_params.fullrank_names == []
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"}
+    with pytest.raises(ValueError, match="lowrank_target_modules"):
+        _lowrank_trainer(tmp_path / "bad", tokenizer, lowrank_target_modules=["downproj"])
+
+
+def test_config_validates_lowrank_target_modules(tmp_path):
+    cfg = tiny_es_config(tmp_path, perturbation="lowrank", lowrank_target_modules="down_proj")
+    assert cfg.lowrank_target_modules == ["down_proj"]  # one name on the command line: a list of one
+    with pytest.raises(ValueError, match="lowrank_target_modules=\\['down_proj'\\].*perturbation='lowrank'"):
+        tiny_es_config(tmp_path, lowrank_target_modules=["down_proj"])
+    with pytest.raises(ValueError, match="lowrank_target_modules"):
+        tiny_es_config(tmp_path, perturbation="lowrank", lowrank_target_modules=[])
+    assert "help" in DartESConfig.__dataclass_fields__["lowrank_target_modules"].metadata
 
 
 @pytest.mark.slow

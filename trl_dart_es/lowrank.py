@@ -38,7 +38,7 @@ from torch import nn
 from .noise import Member, gaussian
 from .perturb import EvolvedParameters, MemberState, check_master_names, load_master_into
 
-__all__ = ["LowRankParameters", "lora_carried_names"]
+__all__ = ["LowRankParameters", "lora_carried_names", "select_by_module"]
 
 # Rows of a matrix update computed per matmul: bounds the float32 temporary (16 Mi elements = 64 MiB).
 _UPDATE_BLOCK_ELEMENTS = 1 << 24
@@ -395,6 +395,22 @@ def lora_carried_names(model: nn.Module) -> list[str]:
         if isinstance(m, nn.Linear) and m is not head and m.weight.requires_grad
     }
     return [n for n, p in model.named_parameters() if id(p) in linear_weights and id(p) not in excluded]
+
+
+def select_by_module(names: Sequence[str], modules: Collection[str]) -> list[str]:
+    """The parameter names in ``names`` whose owning module is named one of ``modules``.
+
+    A module matches on the last component of its path, as PEFT's ``target_modules`` does:
+    ``"model.layers.3.mlp.down_proj.weight"`` is owned by ``down_proj``. Raises if a module name matches none
+    of ``names``, so a typo does not silently evolve less than asked.
+    """
+    wanted = set(modules)
+    owner = {n: n.rsplit(".", 2)[-2] if "." in n else "" for n in names}
+    unmatched = sorted(wanted - set(owner.values()))
+    if unmatched:
+        known = sorted(set(owner.values()))
+        raise ValueError(f"lowrank_target_modules {unmatched} match no evolvable tensor; modules here: {known}")
+    return [n for n in names if owner[n] in wanted]
 
 
 # ------------------------------------------------------------------------------------------- batching

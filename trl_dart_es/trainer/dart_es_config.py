@@ -153,6 +153,14 @@ class DartESConfig(TrainingArguments):
             "same algorithm as with vLLM."
         },
     )
+    lowrank_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With perturbation='lowrank': evolve only the tensors of modules with these names, matched on "
+            "the last component of the module path as PEFT's `target_modules` is (e.g. ['gate_proj', 'up_proj', "
+            "'down_proj'] for the MLPs only), within the set `lowrank_targets` selects. None: that whole set."
+        },
+    )
     exact_restore: bool = field(
         default=True,
         metadata={
@@ -337,5 +345,14 @@ class DartESConfig(TrainingArguments):
                 "with use_vllm=True each member is a LoRA adapter, which cannot carry embeddings, the output "
                 "head, norms or biases; use 'lora' (or 'auto'), or use_vllm=False to evolve every tensor",
             )
+        if self.lowrank_target_modules is not None:
+            if self.perturbation != "lowrank":
+                raise bad("lowrank_target_modules", "only applies to perturbation='lowrank'; leave it None")
+            if isinstance(self.lowrank_target_modules, str):
+                self.lowrank_target_modules = [self.lowrank_target_modules]
+            if not self.lowrank_target_modules or not all(
+                isinstance(m, str) and m for m in self.lowrank_target_modules
+            ):
+                raise bad("lowrank_target_modules", "give a non-empty list of module names, or None")
         if self.reward_weights is not None and any(w != w for w in self.reward_weights):
             raise bad("reward_weights", "NaN weight")

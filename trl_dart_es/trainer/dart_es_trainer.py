@@ -238,15 +238,19 @@ class DartESTrainer(_BaseTrainer):
             zero_pass_patience=args.zero_pass_patience,
         )
         if args.perturbation == "lowrank":  # EGGROLL: rank-r noise on matrices, one batched generate per step
-            from ..lowrank import LowRankParameters, lora_carried_names
+            from ..lowrank import LowRankParameters, lora_carried_names, select_by_module
 
+            names = lora_carried_names(self.model) if args.resolved_lowrank_targets == "lora" else None
+            if args.lowrank_target_modules is not None:
+                every = [n for n, p in self.model.named_parameters() if p.requires_grad]
+                names = select_by_module(every if names is None else names, args.lowrank_target_modules)
             self.es_params = LowRankParameters(
                 self.model,
                 args.sigma,
                 rank=args.perturbation_rank,
                 exact_restore=args.exact_restore,
                 cache_noise=self._use_noise_cache(),
-                names=lora_carried_names(self.model) if args.resolved_lowrank_targets == "lora" else None,
+                names=names,
             )
         else:
             self.es_params = EvolvedParameters(
