@@ -18,7 +18,10 @@ def _cli(values: dict[str, Any]) -> list[str]:
     for key, value in values.items():
         if value is None:
             continue
-        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+        if isinstance(value, list | tuple):  # a list field (nargs="+"): one argument per item
+            out += [f"--{key}", *map(str, value)]
+        else:
+            out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
     return out
 
 
