@@ -138,7 +138,10 @@ VARIANTS["demo-n4b64"] = {**VARIANTS["demo"], "per_device_train_batch_size": 64,
 # Which tensors evolve (the demo evolves every linear weight, 7 per layer): the MLPs only, attention only, and
 # only the two projections that write to the residual stream. Fewer dimensions per direction, same sigma.
 VARIANTS["demo-mlp"] = {**VARIANTS["demo"], "lowrank_target_modules": ["gate_proj", "up_proj", "down_proj"]}
-VARIANTS["demo-attn"] = {**VARIANTS["demo"], "lowrank_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+VARIANTS["demo-attn"] = {
+    **VARIANTS["demo"],
+    "lowrank_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
 VARIANTS["demo-out"] = {**VARIANTS["demo"], "lowrank_target_modules": ["o_proj", "down_proj"]}
 # (method, its twin): paired by seed in the report.
 PAIRS = [

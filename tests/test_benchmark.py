@@ -205,6 +205,16 @@ def test_grpo_configs_match_the_es_workload_and_parse():
             assert peft.r == 16 and peft.target_modules == "all-linear"
 
 
+def test_recipe_overrides_carry_lists_and_booleans():
+    from trl_dart_es import DartESConfig
+
+    values = {"output_dir": "unused", "lowrank_target_modules": ["o_proj", "down_proj"], "antithetic": False}
+    values |= {"reward_weights": [1.0, 0.5], "perturbation": "lowrank"}
+    _, args, _ = bench.parse_recipe_config(DartESConfig, CONFIGS / "quickstart.yaml", values)
+    assert args.lowrank_target_modules == ["o_proj", "down_proj"] and args.reward_weights == [1.0, 0.5]
+    assert args.antithetic is False
+
+
 def test_workload_options_override_the_short_default():
     args = bench._parser().parse_args(["--steps", "5", "--prompts", "4", "--model", "m"])
     workload = bench.workload_from_args(args)

@@ -409,7 +409,9 @@ def select_by_module(names: Sequence[str], modules: Collection[str]) -> list[str
     unmatched = sorted(wanted - set(owner.values()))
     if unmatched:
         known = sorted(set(owner.values()))
-        raise ValueError(f"lowrank_target_modules {unmatched} match no evolvable tensor; modules here: {known}")
+        raise ValueError(
+            f"lowrank_target_modules {unmatched} match no evolvable tensor; modules here: {known}"
+        )
     return [n for n in names if owner[n] in wanted]
 
 
