@@ -143,6 +143,9 @@ VARIANTS["demo-attn"] = {
     "lowrank_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 VARIANTS["demo-out"] = {**VARIANTS["demo"], "lowrank_target_modules": ["o_proj", "down_proj"]}
+# The format reward at half the weight of correctness (the demo: 0.1). Untrained, about half the greedy
+# completions hit the 64-token limit before a `#### N` line; a larger format term pays members that finish.
+VARIANTS["demo-fmt5"] = {**VARIANTS["demo"], "reward_weights": [1.0, 0.5]}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
