@@ -143,6 +143,8 @@ VARIANTS["demo-attn"] = {
     "lowrank_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 VARIANTS["demo-out"] = {**VARIANTS["demo"], "lowrank_target_modules": ["o_proj", "down_proj"]}
+# Attention only perturbs a quarter of the linear weights' parameters, so a member moves its outputs less: 2x sigma.
+VARIANTS["demo-attn-s4"] = {**VARIANTS["demo-attn"], "sigma": 4e-3}
 # The format reward at half the weight of correctness (the demo: 0.1). Untrained, about half the greedy
 # completions hit the 64-token limit before a `#### N` line; a larger format term pays members that finish.
 VARIANTS["demo-fmt5"] = {**VARIANTS["demo"], "reward_weights": [1.0, 0.5]}
@@ -153,6 +155,7 @@ PAIRS = [
     ("vl-answer64-n4b32-anti", "vl-answer64-n16b8-anti"),  # four times the problems, a quarter of the members
     ("demo", "old-quickstart"),  # the demo before and after the study
     ("demo", "demo-es"),  # DART-ES against plain ES at the demo's settings
+    ("demo-attn", "demo"),  # attention projections only against every linear weight
 ]
 
 
