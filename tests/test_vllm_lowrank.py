@@ -17,7 +17,7 @@ from conftest import make_tiny_llama, tiny_es_config, toy_dataset
 from transformers import GenerationConfig
 
 from trl_dart_es import DartESConfig
-from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
+from trl_dart_es.lowrank import LowRankParameters, lora_carried_names, select_by_module
 from trl_dart_es.noise import Member
 from trl_dart_es.rollout import vllm as vllm_rollout
 from trl_dart_es.rollout.transformers import greedy_generation_config
@@ -159,9 +159,13 @@ def _lowrank_trainer(tokenizer, out, use_vllm: bool, **overrides):
 
 
 @requires_vllm
-def test_a_full_step_gives_the_same_rewards_and_bitwise_the_same_update_on_both_backends(tokenizer, tmp_path):
+@pytest.mark.parametrize("modules", [None, ["q_proj", "down_proj"]], ids=["all-linear", "target-modules"])
+def test_a_full_step_gives_the_same_rewards_and_bitwise_the_same_update_on_both_backends(
+    tokenizer, tmp_path, modules
+):
     """Tiny model, 2 steps: same completions and K x N x B reward matrices on the vLLM (LoRA) and transformers
-    low-rank backends with the same perturbed-tensor set, and bitwise the same weights after each update."""
+    low-rank backends with the same perturbed-tensor set (every linear weight, or `lowrank_target_modules`),
+    and bitwise the same weights after each update."""
     results = {}
     try:
         for use_vllm in (False, True):
@@ -176,6 +180,7 @@ def test_a_full_step_gives_the_same_rewards_and_bitwise_the_same_update_on_both_
                 max_completion_length=8,
                 learning_rate=0.05,
                 max_steps=2,
+                lowrank_target_modules=modules,
             )
             seen = {"ids": [], "rewards": []}
             generate, tell = trainer.rollout.generate_population, trainer.strategy.tell
@@ -205,7 +210,8 @@ def test_a_full_step_gives_the_same_rewards_and_bitwise_the_same_update_on_both_
         np.testing.assert_array_equal(a, b)
     assert any(log["update_norm"] > 0 for log in hf_logs), "no update: the test would prove nothing"
     assert [log["update_norm"] for log in vl_logs] == [log["update_norm"] for log in hf_logs]
-    carried = set(lora_carried_names(_vllm_tiny_llama(tokenizer)))
+    carried = lora_carried_names(_vllm_tiny_llama(tokenizer))
+    carried = set(carried if modules is None else select_by_module(carried, modules))
     start = dict(_vllm_tiny_llama(tokenizer).named_parameters())
     for name, tensor in hf_w.items():
         assert torch.equal(vl_w[name], tensor), name
