@@ -397,6 +397,11 @@ def lora_carried_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if id(p) in linear_weights and id(p) not in excluded]
 
 
+def owning_module(name: str) -> str:
+    """The last component of a parameter's module path: ``"model.layers.3.mlp.down_proj.weight"`` -> ``"down_proj"``."""
+    return name.rsplit(".", 2)[-2] if "." in name else ""
+
+
 def select_by_module(names: Sequence[str], modules: Collection[str]) -> list[str]:
     """The parameter names in ``names`` whose owning module is named one of ``modules``.
 
@@ -405,7 +410,7 @@ def select_by_module(names: Sequence[str], modules: Collection[str]) -> list[str
     of ``names``, so a typo does not silently evolve less than asked.
     """
     wanted = set(modules)
-    owner = {n: n.rsplit(".", 2)[-2] if "." in n else "" for n in names}
+    owner = {n: owning_module(n) for n in names}
     unmatched = sorted(wanted - set(owner.values()))
     if unmatched:
         known = sorted(set(owner.values()))

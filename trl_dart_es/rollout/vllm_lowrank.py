@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from ..lowrank import LowRankParameters
+from ..lowrank import LowRankParameters, owning_module
 from ..noise import Member
 from .base import Generation
 from .vllm import VLLMRollout, _Engine, _is_peft_model, start_engine_for_trainer
@@ -71,7 +71,7 @@ def member_adapter_tensors(
 
 
 def _adapter_config(params: LowRankParameters) -> dict[str, Any]:
-    modules = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n in params.lowrank_names})
+    modules = sorted({owning_module(n) for n in params.lowrank_names})
     # lora_alpha = r: vLLM's scaling alpha / r is exactly 1, so lora_B is used as given.
     return {
         "peft_type": "LORA",
