@@ -148,6 +148,9 @@ VARIANTS["demo-attn-s4"] = {**VARIANTS["demo-attn"], "sigma": 4e-3}
 # The format reward at half the weight of correctness (the demo: 0.1). Untrained, about half the greedy
 # completions hit the 64-token limit before a `#### N` line; a larger format term pays members that finish.
 VARIANTS["demo-fmt5"] = {**VARIANTS["demo"], "reward_weights": [1.0, 0.5]}
+# Half the demo's sigma (the study screened only larger ones): fewer completions flip per member, but each flip is
+# closer to the local, gradient-like regime, where a direction that fixes one problem is likelier to fix others.
+VARIANTS["demo-s1"] = {**VARIANTS["demo"], "sigma": 1e-3}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
