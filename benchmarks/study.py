@@ -151,6 +151,9 @@ VARIANTS["demo-fmt5"] = {**VARIANTS["demo"], "reward_weights": [1.0, 0.5]}
 # Half the demo's sigma (the study screened only larger ones): fewer completions flip per member, but each flip is
 # closer to the local, gradient-like regime, where a direction that fixes one problem is likelier to fix others.
 VARIANTS["demo-s1"] = {**VARIANTS["demo"], "sigma": 1e-3}
+# One antithetic pair on 32 problems for twice the steps (the demo's 2,304 rollouts): each step's update is a
+# random direction, so at a fixed total move more, smaller steps average its noise down (noise grows as sqrt(steps)).
+VARIANTS["demo-n2b32"] = {**VARIANTS["demo"], "population_size": 2, "max_steps": 36}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
