@@ -154,6 +154,10 @@ VARIANTS["demo-s1"] = {**VARIANTS["demo"], "sigma": 1e-3}
 # One antithetic pair on 32 problems for twice the steps (the demo's 2,304 rollouts): each step's update is a
 # random direction, so at a fixed total move more, smaller steps average its noise down (noise grows as sqrt(steps)).
 VARIANTS["demo-n2b32"] = {**VARIANTS["demo"], "population_size": 2, "max_steps": 36}
+# Partial credit for the reference's intermediate results (gsm8k_step_reward) at half correctness's weight: about a
+# third of the level-2 and level-3 problems that the untrained model gets wrong still earn some, so members that
+# no problem's 0/1 correctness tells apart are ranked by how many of its steps they get right.
+VARIANTS["demo-step5"] = {**VARIANTS["demo"], "extra_rewards": ["step"], "reward_weights": [1.0, 0.1, 0.5]}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
@@ -203,6 +207,7 @@ def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tu
     variant = dict(VARIANTS[name])
     style = variant.pop("prompt_style", "steps")
     budget = variant.pop("budget_minutes", None)
+    variant.pop("extra_rewards", None)  # reward functions, not config fields: see `reward_funcs`
     if budget:
         variant["max_steps"] = 10_000
     values = {
@@ -215,10 +220,23 @@ def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tu
     return script_args, cfg, model_args, style, budget
 
 
+# Reward functions a variant may add after the task's own (`extra_rewards`; their weights in `reward_weights`).
+EXTRA_REWARDS = {"step": "gsm8k_step_reward"}
+
+
+def reward_funcs(name: str, dataset_name: str) -> list:
+    """The task's reward functions (primary first), then the variant's `extra_rewards`."""
+    from trl_dart_es import rewards
+    from trl_dart_es.benchmark import task_reward_funcs
+
+    extra = [getattr(rewards, EXTRA_REWARDS[key]) for key in VARIANTS[name].get("extra_rewards", [])]
+    return task_reward_funcs(dataset_name) + extra
+
+
 def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train one (variant, seed) run; return its held-out accuracy curve against steps and train seconds."""
     from trl_dart_es import DartESTrainer
-    from trl_dart_es.benchmark import machine_description, task_reward_funcs
+    from trl_dart_es.benchmark import machine_description
     from trl_dart_es.tasks import load_task_dataset
     from trl_dart_es.trainer.baseline import evaluate_untrained
 
@@ -231,7 +249,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         clock = _train_clock(budget * 60 if budget else None)
         trainer = DartESTrainer(
             model=model_args.model_name_or_path,
-            reward_funcs=task_reward_funcs(script_args.dataset_name),
+            reward_funcs=reward_funcs(name, script_args.dataset_name),
             args=cfg,
             train_dataset=train,
             eval_dataset=held_out,

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dart_es.rewards import (
+    equation_results,
     ExpressionRejected,
     countdown_accuracy_reward,
     countdown_format_reward,
@@ -14,6 +15,7 @@ from trl_dart_es.rewards import (
     extract_final_number,
     gsm8k_accuracy_reward,
     gsm8k_format_reward,
+    gsm8k_step_reward,
 )
 
 
@@ -259,3 +261,46 @@ def eval_product(nums):
     for n in nums:
         product *= n
     return product
+
+
+_TWO_STEPS = "Ravi gives 12 away, so 26 - 12 = 14.\nIt becomes 5 times as large, so 14 * 5 = 70.\n#### 70"
+
+
+def test_equation_results_read_worked_steps_and_gsm8k_annotations():
+    assert equation_results(_TWO_STEPS) == ["14", "70"]
+    # GSM8K's calculator annotations: the result after the inner "=", once per step.
+    assert equation_results("She sold 48/2 = <<48/2=24>>24 clips.\n#### 24") == ["24"]
+    assert equation_results("= $1,200.0 and = -3") == ["1200", "-3"]
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("26 - 12 = 14, then 14 * 5 = 70.\n#### 70", 1.0),  # every step
+        ("26 - 12 = 14, then 14 * 5 = 75.\n#### 75", 0.5),  # the first step right, the second wrong
+        ("#### 70", 0.0),  # no worked step: partial credit is for steps, the 0/1 reward for the answer
+        ("= 14 = 70 = 3 = 9", 0.5),  # extra guesses dilute the score: 2 right of 4 written
+        ("14 * 5 = 70 and 26 - 12 = 14", 1.0),  # order does not matter
+        ("26 - 12 = 14 and 26 - 12 = 14", 0.5),  # a result counts once per reference step
+    ],
+)
+def test_gsm8k_step_reward(completion, expected):
+    assert gsm8k_step_reward([completion], [_TWO_STEPS]) == [expected]
+    assert gsm8k_step_reward(as_messages([completion]), [_TWO_STEPS], prompts=["p"]) == [expected]
+
+
+def test_gsm8k_step_reward_skips_solutions_without_steps():
+    assert gsm8k_step_reward(["= 5"], ["#### 5"]) == [None]
+    with pytest.raises(ValueError):
+        gsm8k_step_reward(["a", "b"], [_TWO_STEPS])
+
+
+def test_gsm8k_step_reward_gives_credit_where_correctness_gives_none():
+    # The synthetic task's own solutions score 1.0, and a wrong final answer with a right first step scores > 0.
+    from trl_dart_es.tasks import make_synthetic_gsm8k
+
+    rows = make_synthetic_gsm8k(20, levels=(2, 3), seed=1)
+    assert gsm8k_step_reward(rows["solution"], rows["solution"]) == [1.0] * len(rows)
+    first_step_only = [s.splitlines()[0] for s in rows["solution"]]
+    assert gsm8k_accuracy_reward(first_step_only, rows["answer"]) != [1.0] * len(rows)
+    assert all(0 < r < 1 for r in gsm8k_step_reward(first_step_only, rows["solution"]))

@@ -27,8 +27,12 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
     overrides = study.VARIANTS[name]
     _, cfg, _, style, budget = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
     for key, value in overrides.items():
-        if key not in ("prompt_style", "budget_minutes", "max_steps"):
+        if key not in ("prompt_style", "budget_minutes", "max_steps", "extra_rewards"):
             assert getattr(cfg, key) == value, key
+    # One weight per reward function, the variant's extra ones included.
+    funcs = study.reward_funcs(name, "embedded:gsm8k")
+    assert len(funcs) == 2 + len(overrides.get("extra_rewards", []))
+    assert cfg.reward_weights is None or len(cfg.reward_weights) == len(funcs)
     assert cfg.seed == 3
     assert style == overrides.get("prompt_style", "steps")
     assert budget == overrides.get("budget_minutes")

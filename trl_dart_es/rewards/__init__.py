@@ -7,9 +7,11 @@ from .arithmetic import Evaluation, ExpressionRejected, evaluate_arithmetic, use
 from .countdown import countdown_accuracy_reward, countdown_format_reward, extract_countdown_expression
 from .gsm8k import (
     completion_text,
+    equation_results,
     extract_final_number,
     gsm8k_accuracy_reward,
     gsm8k_format_reward,
+    gsm8k_step_reward,
     normalize_number,
 )
 
@@ -19,11 +21,13 @@ __all__ = [
     "completion_text",
     "countdown_accuracy_reward",
     "countdown_format_reward",
+    "equation_results",
     "evaluate_arithmetic",
     "extract_countdown_expression",
     "extract_final_number",
     "gsm8k_accuracy_reward",
     "gsm8k_format_reward",
+    "gsm8k_step_reward",
     "normalize_number",
     "uses_numbers_exactly_once",
 ]

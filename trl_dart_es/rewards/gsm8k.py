@@ -117,3 +117,40 @@ def gsm8k_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
         else:
             rewards.append(0.0)
     return rewards
+
+
+# "= 14" in a worked solution ("26 - 12 = 14.") or a GSM8K calculator annotation ("<<26-12=14>>14").
+_RESULT_RE = re.compile(r"=\s*(" + _NUMBER + ")")
+
+
+def equation_results(text: str) -> list[str]:
+    """The normalised numbers that `text` writes right after an `=`: the results of its worked steps."""
+    results = (normalize_number(m) for m in _RESULT_RE.findall(text))
+    return [r for r in results if r is not None]
+
+
+def gsm8k_step_reward(completions: list[Any], solution: list[str], **kwargs: Any) -> list[float | None]:
+    """Partial credit for the reference's intermediate results: a dense companion to `gsm8k_accuracy_reward`.
+
+    The reference results are the numbers after each `=` of the worked `solution` (GSM8K's calculator
+    annotations included); the completion's are the numbers it writes after an `=`. The score is the size of
+    their multiset intersection over the larger of the two lists, in [0, 1]: every reference step computed, and
+    no extra equations (so writing many guesses does not pay). A multi-step problem that no member solves
+    still tells members apart by how many of its steps they get right, where the 0/1 correctness cannot.
+    `None` (skipped) when the solution has no `= N` step.
+    """
+    rewards: list[float | None] = []
+    for completion, reference in zip(completions, solution, strict=True):
+        wanted = equation_results(reference or "")
+        if not wanted:
+            rewards.append(None)
+            continue
+        written = equation_results(completion_text(completion))
+        remaining = list(wanted)
+        matched = 0
+        for value in written:
+            if value in remaining:
+                remaining.remove(value)
+                matched += 1
+        rewards.append(matched / max(len(wanted), len(written)))
+    return rewards
