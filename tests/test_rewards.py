@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dart_es.rewards import (
-    equation_results,
     ExpressionRejected,
     countdown_accuracy_reward,
     countdown_format_reward,
+    equation_results,
     evaluate_arithmetic,
     extract_countdown_expression,
     extract_final_number,
