@@ -157,7 +157,11 @@ VARIANTS["demo-n2b32"] = {**VARIANTS["demo"], "population_size": 2, "max_steps":
 # Partial credit for the reference's intermediate results (gsm8k_step_reward) at half correctness's weight: about a
 # third of the level-2 and level-3 problems that the untrained model gets wrong still earn some, so members that
 # no problem's 0/1 correctness tells apart are ranked by how many of its steps they get right.
-VARIANTS["demo-step5"] = {**VARIANTS["demo"], "extra_rewards": ["step"], "reward_weights": [1.0, 0.1, 0.5]}
+VARIANTS["demo-step5"] = {
+    **VARIANTS["demo"],
+    "reward_funcs": ["gsm8k_accuracy_reward", "gsm8k_format_reward", "gsm8k_step_reward"],
+    "reward_weights": [1.0, 0.1, 0.5],
+}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
@@ -207,7 +211,6 @@ def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tu
     variant = dict(VARIANTS[name])
     style = variant.pop("prompt_style", "steps")
     budget = variant.pop("budget_minutes", None)
-    variant.pop("extra_rewards", None)  # reward functions, not config fields: see `reward_funcs`
     if budget:
         variant["max_steps"] = 10_000
     values = {
@@ -218,19 +221,6 @@ def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tu
     script_args, cfg, model_args = parse_recipe_config(DartESConfig, CONFIG, values)
     cfg.model_init_kwargs = {"dtype": model_args.dtype or "float32"}
     return script_args, cfg, model_args, style, budget
-
-
-# Reward functions a variant may add after the task's own (`extra_rewards`; their weights in `reward_weights`).
-EXTRA_REWARDS = {"step": "gsm8k_step_reward"}
-
-
-def reward_funcs(name: str, dataset_name: str) -> list:
-    """The task's reward functions (primary first), then the variant's `extra_rewards`."""
-    from trl_dart_es import rewards
-    from trl_dart_es.benchmark import task_reward_funcs
-
-    extra = [getattr(rewards, EXTRA_REWARDS[key]) for key in VARIANTS[name].get("extra_rewards", [])]
-    return task_reward_funcs(dataset_name) + extra
 
 
 def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -249,7 +239,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         clock = _train_clock(budget * 60 if budget else None)
         trainer = DartESTrainer(
             model=model_args.model_name_or_path,
-            reward_funcs=reward_funcs(name, script_args.dataset_name),
+            reward_funcs=script_args.load_reward_funcs(),
             args=cfg,
             train_dataset=train,
             eval_dataset=held_out,

@@ -4,14 +4,13 @@
     accelerate launch recipes/dart_es_gsm8k.py --config recipes/configs/gsm8k_qwen.yaml
     accelerate launch --multi_gpu --num_processes 2 recipes/dart_es_gsm8k.py --config ...   # population split
 
-Any field of TaskArguments (TRL's ScriptArguments plus two task options: trl_dart_es/tasks/arguments.py),
+Any field of TaskArguments (TRL's ScriptArguments plus the task options and `reward_funcs`: trl_dart_es/tasks/arguments.py),
 DartESConfig or ModelConfig can be set in the YAML or on the command line.
 """
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dart_es import DartESConfig, DartESTrainer
-from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
 from trl_dart_es.tasks.arguments import TaskArguments
 from trl_dart_es.trainer.baseline import evaluate_untrained
 
@@ -30,7 +29,7 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
     }
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=[gsm8k_accuracy_reward, gsm8k_format_reward],
+        reward_funcs=script_args.load_reward_funcs(),  # `reward_funcs` in the config; default: correctness, format
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

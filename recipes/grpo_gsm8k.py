@@ -20,7 +20,6 @@ from trl.models.utils import unwrap_model_for_generation
 
 from trl_dart_es.benchmark import evaluate_greedy
 from trl_dart_es.embedded import resolve_model_path
-from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
 from trl_dart_es.tasks.arguments import TaskArguments
 
 
@@ -29,7 +28,9 @@ def main(script_args: TaskArguments, training_args: GRPOConfig, model_args: Mode
     # DART-ES recipe's `prompt_style` and `eval_num_examples`).
     train_dataset = script_args.load_split(script_args.dataset_train_split)
     eval_dataset = script_args.load_split(script_args.dataset_test_split)
-    reward_funcs = [gsm8k_accuracy_reward, gsm8k_format_reward]
+    reward_funcs = (
+        script_args.load_reward_funcs()
+    )  # `reward_funcs` in the config; default: correctness, format
 
     # Model: a hub id, a local path, or "embedded:smollm2-135m" (converted once to a local folder).
     training_args.model_init_kwargs = {

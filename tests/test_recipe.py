@@ -32,7 +32,9 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
                 "max_completion_length: 4",
                 "sigma: 0.01",
                 "learning_rate: 0.01",
-                "reward_weights: [1.0, 0.1]",
+                # TRL's GRPO-script convention: rewards by name, one weight each.
+                "reward_funcs: [gsm8k_accuracy_reward, gsm8k_format_reward, gsm8k_step_reward]",
+                "reward_weights: [1.0, 0.1, 0.5]",
                 "report_to: none",
                 "disable_tqdm: true",
             ]
@@ -49,5 +51,6 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out metric" in proc.stdout and "eval_accuracy" in proc.stdout
     assert "Held-out: 24 prompts" in proc.stdout
+    assert "eval_rewards/gsm8k_step_reward/mean" in proc.stdout
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
     assert "dart-es" in (out / "README.md").read_text()

@@ -27,11 +27,13 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
     overrides = study.VARIANTS[name]
     _, cfg, _, style, budget = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
     for key, value in overrides.items():
-        if key not in ("prompt_style", "budget_minutes", "max_steps", "extra_rewards"):
+        if key not in ("prompt_style", "budget_minutes", "max_steps", "reward_funcs"):
             assert getattr(cfg, key) == value, key
-    # One weight per reward function, the variant's extra ones included.
-    funcs = study.reward_funcs(name, "embedded:gsm8k")
-    assert len(funcs) == 2 + len(overrides.get("extra_rewards", []))
+    # A variant's reward functions reach the recipe's TaskArguments, one weight per function.
+    script_args, *_ = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
+    assert script_args.reward_funcs == overrides.get("reward_funcs")
+    funcs = script_args.load_reward_funcs()
+    assert [f.__name__ for f in funcs][:2] == ["gsm8k_accuracy_reward", "gsm8k_format_reward"]
     assert cfg.reward_weights is None or len(cfg.reward_weights) == len(funcs)
     assert cfg.seed == 3
     assert style == overrides.get("prompt_style", "steps")

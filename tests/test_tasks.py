@@ -206,3 +206,34 @@ def test_task_arguments_load_splits_with_the_options_that_are_set():
     # Unset options are not passed: a task without prompt styles loads as it always did.
     countdown = TaskArguments(dataset_name="embedded:countdown", dataset_test_split="test").load_split("test")
     assert len(countdown) == len(load_task_dataset("embedded:countdown", "test"))
+
+
+def test_task_arguments_reward_funcs_by_name_or_import_path_as_trls_grpo_script():
+    from trl_dart_es.rewards import (
+        countdown_accuracy_reward,
+        gsm8k_accuracy_reward,
+        gsm8k_format_reward,
+        gsm8k_step_reward,
+    )
+    from trl_dart_es.tasks.arguments import TaskArguments
+
+    # Unset: the task's own rewards (the countdown task's for countdown, GSM8K's for a local folder).
+    assert TaskArguments(dataset_name="embedded:gsm8k").load_reward_funcs() == [
+        gsm8k_accuracy_reward,
+        gsm8k_format_reward,
+    ]
+    assert (
+        TaskArguments(dataset_name="embedded:countdown").load_reward_funcs()[0] is countdown_accuracy_reward
+    )
+    names = ["gsm8k_accuracy_reward", "trl_dart_es.rewards.gsm8k.gsm8k_step_reward"]
+    assert TaskArguments(dataset_name="embedded:gsm8k", reward_funcs=names).load_reward_funcs() == [
+        gsm8k_accuracy_reward,
+        gsm8k_step_reward,
+    ]
+    # A name that is neither a reward of this package nor an import path is refused by name.
+    with pytest.raises(ValueError, match="'gsm8k_acuracy_reward'.*gsm8k_step_reward"):
+        TaskArguments(
+            dataset_name="embedded:gsm8k", reward_funcs=["gsm8k_acuracy_reward"]
+        ).load_reward_funcs()
+    with pytest.raises(ValueError, match="'normalize_number'"):  # in trl_dart_es.rewards, but not a reward
+        TaskArguments(dataset_name="embedded:gsm8k", reward_funcs=["normalize_number"]).load_reward_funcs()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .methods import BenchMethod
-from .workload import Workload, _config_path, load_split, task_reward_funcs
+from .workload import Workload, _config_path, load_split
 
 
 def _cli(values: dict[str, Any]) -> list[str]:
@@ -102,7 +102,7 @@ def es_trainer(
     train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=task_reward_funcs(script_args.dataset_name),
+        reward_funcs=script_args.load_reward_funcs(),
         args=args,
         train_dataset=train,
         peft_config=get_peft_config(model_args),
@@ -149,7 +149,7 @@ def grpo_trainer(
     train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
     trainer = GRPOTrainer(
         model=resolve_model_path(model_args.model_name_or_path),
-        reward_funcs=task_reward_funcs(script_args.dataset_name),
+        reward_funcs=script_args.load_reward_funcs(),
         args=args,
         train_dataset=train,
         peft_config=get_peft_config(model_args),

@@ -111,14 +111,10 @@ def held_out_set(workload: Workload):
 
 
 def task_reward_funcs(dataset_name: str) -> list[Callable]:
-    """The task's reward functions, primary (correctness) first; GSM8K's for a local dataset folder."""
-    if not os.path.isdir(dataset_name):
-        from ..tasks import get_task
+    """`trl_dart_es.tasks.task_reward_funcs`, imported on call: this module imports only the standard library."""
+    from ..tasks import task_reward_funcs as reward_funcs
 
-        return list(get_task(dataset_name).reward_funcs)
-    from ..rewards.gsm8k import gsm8k_accuracy_reward, gsm8k_format_reward
-
-    return [gsm8k_accuracy_reward, gsm8k_format_reward]
+    return reward_funcs(dataset_name)
 
 
 def _config_path(method: BenchMethod, workload: Workload) -> str | None:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,13 @@ def get_task(name: str) -> TaskSpec:
         raise ValueError(f"Unknown task {name!r}. Known tasks: {', '.join(sorted(TASKS))}.") from None
 
 
+def task_reward_funcs(dataset_name: str) -> list[Callable]:
+    """The task's reward functions, primary (correctness) first; GSM8K's for a local dataset folder."""
+    if os.path.isdir(dataset_name):
+        return [gsm8k_accuracy_reward, gsm8k_format_reward]
+    return list(get_task(dataset_name).reward_funcs)
+
+
 def load_task_dataset(
     name: str, split: str = "train", *, conversational: bool = True, **kwargs: Any
 ) -> Dataset:
@@ -120,5 +128,6 @@ __all__ = [
     "load_task_dataset",
     "make_countdown",
     "make_synthetic_gsm8k",
+    "task_reward_funcs",
     "to_trl_format",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,36 @@ class TaskArguments(ScriptArguments):
             "help": "Held-out prompts to generate (offline tasks only). None: the task's default (128)."
         },
     )
+
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions, the primary (correctness) one first, as TRL's GRPO script takes them: names "
+            "from trl_dart_es.rewards (e.g. 'gsm8k_accuracy_reward', 'gsm8k_format_reward', 'gsm8k_step_reward') "
+            "or dotted import paths ('my_lib.rewards.custom_reward'). None: the task's own (correctness, format)."
+        },
+    )
+
+    def load_reward_funcs(self) -> list[Callable]:
+        """`reward_funcs` resolved to functions; the task's own when unset."""
+        from .. import rewards
+        from . import task_reward_funcs
+
+        if not self.reward_funcs:
+            return task_reward_funcs(self.dataset_name)
+        funcs = []
+        for name in self.reward_funcs:
+            if name in rewards.__all__ and name.endswith("_reward"):
+                funcs.append(getattr(rewards, name))
+            elif "." in name:
+                module, attr = name.rsplit(".", 1)
+                funcs.append(getattr(importlib.import_module(module), attr))
+            else:
+                known = sorted(n for n in rewards.__all__ if n.endswith("_reward"))
+                raise ValueError(
+                    f"Unknown reward function {name!r}: expected one of {known} or a dotted import path."
+                )
+        return funcs
 
     def load_split(self, split: str) -> Dataset:
         """`split` of `dataset_name` in TRL's format, with the options that are set (held-out size: test only)."""
