@@ -164,7 +164,7 @@ VARIANTS["demo-step5"] = {
 }
 # The demo run 3x as long (6,912 rollouts; with --eval-every 18 its step 18 is the demo's own end): does the gain
 # keep growing with rollouts, or level off as the 15-minute curves do?
-VARIANTS["demo-long"] = {**VARIANTS["demo"], "max_steps": 54}
+VARIANTS["demo-long"] = {**VARIANTS["demo"], "max_steps": 54, "eval_every": 18}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
@@ -177,7 +177,16 @@ PAIRS = [
 
 
 def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    return {"variant": VARIANTS[name], "eval_prompts": args.eval_prompts, "eval_every": args.eval_every}
+    return {
+        "variant": VARIANTS[name],
+        "eval_prompts": args.eval_prompts,
+        "eval_every": eval_every(name, args),
+    }
+
+
+def eval_every(name: str, args: argparse.Namespace) -> int:
+    """Steps between held-out evaluations: the variant's own `eval_every` (a long run), else `--eval-every`."""
+    return VARIANTS[name].get("eval_every", args.eval_every)
 
 
 def _train_clock(budget_s: float | None = None):
@@ -214,6 +223,7 @@ def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tu
     variant = dict(VARIANTS[name])
     style = variant.pop("prompt_style", "steps")
     budget = variant.pop("budget_minutes", None)
+    variant.pop("eval_every", None)  # the caller's `eval_every` argument
     if budget:
         variant["max_steps"] = 10_000
     values = {
@@ -234,7 +244,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     from trl_dart_es.trainer.baseline import evaluate_untrained
 
     with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
-        script_args, cfg, model_args, style, budget = variant_config(name, seed, out, args.eval_every)
+        script_args, cfg, model_args, style, budget = variant_config(name, seed, out, eval_every(name, args))
         train = load_task_dataset(script_args.dataset_name, "train", prompt_style=style)
         held_out = load_task_dataset(
             script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts

@@ -27,7 +27,7 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
     overrides = study.VARIANTS[name]
     _, cfg, _, style, budget = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
     for key, value in overrides.items():
-        if key not in ("prompt_style", "budget_minutes", "max_steps", "reward_funcs"):
+        if key not in ("prompt_style", "budget_minutes", "max_steps", "reward_funcs", "eval_every"):
             assert getattr(cfg, key) == value, key
     # A variant's reward functions reach the recipe's TaskArguments, one weight per function.
     script_args, *_ = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
@@ -119,3 +119,17 @@ def test_pairs_compare_final_accuracy_and_gain_by_seed(monkeypatch):
     assert pair["differences"] == pytest.approx([0.15, 0.12])
     assert pair["gain_differences"] == pytest.approx([0.05, 0.02])
     assert pair["gain_mean"] == pytest.approx(0.035) and pair["gain_ci95"][0] < 0.035 < pair["gain_ci95"][1]
+
+
+def test_a_variant_may_set_its_own_eval_interval(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(eval_prompts=256, eval_every=10)
+    assert study.eval_every("demo", args) == 10
+    assert study.eval_every("demo-long", args) == study.VARIANTS["demo-long"]["eval_every"] != 10
+    every = study.eval_every("demo-long", args)
+    _, cfg, *_ = study.variant_config("demo-long", seed=0, output_dir=str(tmp_path), eval_every=every)
+    assert cfg.eval_steps == every
+    assert (
+        study._settings("demo-long", args)["eval_every"] == every
+    )  # a rerun at another interval is another run
