@@ -162,9 +162,9 @@ VARIANTS["demo-step5"] = {
     "reward_funcs": ["gsm8k_accuracy_reward", "gsm8k_format_reward", "gsm8k_step_reward"],
     "reward_weights": [1.0, 0.1, 0.5],
 }
-# The demo run 3x as long (6,912 rollouts; with --eval-every 18 its step 18 is the demo's own end): does the gain
+# The demo run 2.7x as long (6,144 rollouts; with --eval-every 18 its step 18 is the demo's own end): does the gain
 # keep growing with rollouts, or level off as the 15-minute curves do?
-VARIANTS["demo-long"] = {**VARIANTS["demo"], "max_steps": 54, "eval_every": 18}
+VARIANTS["demo-long"] = {**VARIANTS["demo"], "max_steps": 48, "eval_every": 18}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
