@@ -4,8 +4,8 @@
     accelerate launch recipes/dart_es_gsm8k.py --config recipes/configs/gsm8k_qwen.yaml
     accelerate launch --multi_gpu --num_processes 2 recipes/dart_es_gsm8k.py --config ...   # population split
 
-Any field of TaskArguments (TRL's ScriptArguments plus the task options and `reward_funcs`: trl_dart_es/tasks/arguments.py),
-DartESConfig or ModelConfig can be set in the YAML or on the command line.
+Any field of TaskArguments (TRL's ScriptArguments plus the task options and `reward_funcs`:
+trl_dart_es/tasks/arguments.py), DartESConfig or ModelConfig can be set in the YAML or on the command line.
 """
 
 from trl import ModelConfig, TrlParser, get_peft_config
@@ -29,7 +29,7 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
     }
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=script_args.load_reward_funcs(),  # `reward_funcs` in the config; default: correctness, format
+        reward_funcs=script_args.load_reward_funcs(),  # `reward_funcs` in the config; unset: correctness, format
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

@@ -28,9 +28,8 @@ def main(script_args: TaskArguments, training_args: GRPOConfig, model_args: Mode
     # DART-ES recipe's `prompt_style` and `eval_num_examples`).
     train_dataset = script_args.load_split(script_args.dataset_train_split)
     eval_dataset = script_args.load_split(script_args.dataset_test_split)
-    reward_funcs = (
-        script_args.load_reward_funcs()
-    )  # `reward_funcs` in the config; default: correctness, format
+    # `reward_funcs` in the config (TRL's GRPO-script convention); unset, the task's correctness and format.
+    reward_funcs = script_args.load_reward_funcs()
 
     # Model: a hub id, a local path, or "embedded:smollm2-135m" (converted once to a local folder).
     training_args.model_init_kwargs = {
