@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,8 @@ class TaskArguments(ScriptArguments):
                 funcs.append(getattr(rewards, name))
             elif "." in name:
                 module, attr = name.rsplit(".", 1)
+                if os.getcwd() not in sys.path:  # as TRL's script: a rewards module in the working directory
+                    sys.path.insert(0, os.getcwd())
                 funcs.append(getattr(importlib.import_module(module), attr))
             else:
                 known = sorted(n for n in rewards.__all__ if n.endswith("_reward"))
