@@ -237,3 +237,17 @@ def test_task_arguments_reward_funcs_by_name_or_import_path_as_trls_grpo_script(
         ).load_reward_funcs()
     with pytest.raises(ValueError, match="'normalize_number'"):  # in trl_dart_es.rewards, but not a reward
         TaskArguments(dataset_name="embedded:gsm8k", reward_funcs=["normalize_number"]).load_reward_funcs()
+
+
+def test_task_arguments_reward_funcs_import_a_module_from_the_working_directory(tmp_path, monkeypatch):
+    from trl_dart_es.tasks.arguments import TaskArguments
+
+    (tmp_path / "my_study_rewards.py").write_text(
+        "def always_one(completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # undo the insertion after the test
+    (func,) = TaskArguments(
+        dataset_name="embedded:gsm8k", reward_funcs=["my_study_rewards.always_one"]
+    ).load_reward_funcs()
+    assert func(["a", "b"]) == [1.0, 1.0]
