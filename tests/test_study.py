@@ -25,12 +25,13 @@ study = _load_study()
 def test_every_variant_builds_a_valid_config(name, tmp_path):
     # A misspelled or out-of-range override fails here (DartESConfig checks its values), not an hour into a run.
     overrides = study.VARIANTS[name]
-    _, cfg, _, style, budget = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
+    script_args, cfg, _, style, budget = study.variant_config(
+        name, seed=3, output_dir=str(tmp_path), eval_every=10
+    )
     for key, value in overrides.items():
         if key not in ("prompt_style", "budget_minutes", "max_steps", "reward_funcs", "eval_every"):
             assert getattr(cfg, key) == value, key
     # A variant's reward functions reach the recipe's TaskArguments, one weight per function.
-    script_args, *_ = study.variant_config(name, seed=3, output_dir=str(tmp_path), eval_every=10)
     assert script_args.reward_funcs == overrides.get("reward_funcs")
     funcs = script_args.load_reward_funcs()
     assert [f.__name__ for f in funcs][:2] == ["gsm8k_accuracy_reward", "gsm8k_format_reward"]
@@ -130,6 +131,5 @@ def test_a_variant_may_set_its_own_eval_interval(tmp_path):
     every = study.eval_every("demo-long", args)
     _, cfg, *_ = study.variant_config("demo-long", seed=0, output_dir=str(tmp_path), eval_every=every)
     assert cfg.eval_steps == every
-    assert (
-        study._settings("demo-long", args)["eval_every"] == every
-    )  # a rerun at another interval is another run
+    # A rerun at another interval is another run.
+    assert study._settings("demo-long", args)["eval_every"] == every

@@ -9,6 +9,7 @@ never prompts (the prompt's worked example contains a `####` line).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -146,11 +147,6 @@ def gsm8k_step_reward(completions: list[Any], solution: list[str], **kwargs: Any
             rewards.append(None)
             continue
         written = equation_results(completion_text(completion))
-        remaining = list(wanted)
-        matched = 0
-        for value in written:
-            if value in remaining:
-                remaining.remove(value)
-                matched += 1
+        matched = sum((Counter(wanted) & Counter(written)).values())  # multiset intersection
         rewards.append(matched / max(len(wanted), len(written)))
     return rewards

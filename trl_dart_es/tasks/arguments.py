@@ -47,9 +47,10 @@ class TaskArguments(ScriptArguments):
 
         if not self.reward_funcs:
             return task_reward_funcs(self.dataset_name)
+        known = sorted(n for n in rewards.__all__ if n.endswith("_reward"))
         funcs = []
         for name in self.reward_funcs:
-            if name in rewards.__all__ and name.endswith("_reward"):
+            if name in known:
                 funcs.append(getattr(rewards, name))
             elif "." in name:
                 module, attr = name.rsplit(".", 1)
@@ -57,7 +58,6 @@ class TaskArguments(ScriptArguments):
                     sys.path.insert(0, os.getcwd())
                 funcs.append(getattr(importlib.import_module(module), attr))
             else:
-                known = sorted(n for n in rewards.__all__ if n.endswith("_reward"))
                 raise ValueError(
                     f"Unknown reward function {name!r}: expected one of {known} or a dotted import path."
                 )
