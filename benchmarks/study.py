@@ -154,9 +154,8 @@ VARIANTS["demo-s1"] = {**VARIANTS["demo"], "sigma": 1e-3}
 # One antithetic pair on 32 problems for twice the steps (the demo's 2,304 rollouts): each step's update is a
 # random direction, so at a fixed total move more, smaller steps average its noise down (noise grows as sqrt(steps)).
 VARIANTS["demo-n2b32"] = {**VARIANTS["demo"], "population_size": 2, "max_steps": 36}
-# Partial credit for the reference's intermediate results (gsm8k_step_reward) at half correctness's weight: about a
-# third of the level-2 and level-3 problems that the untrained model gets wrong still earn some, so members that
-# no problem's 0/1 correctness tells apart are ranked by how many of its steps they get right.
+# Partial credit for the reference's intermediate results (gsm8k_step_reward) at half correctness's weight: members
+# that no multi-step problem's 0/1 correctness tells apart are ranked by how many of its steps they get right.
 VARIANTS["demo-step5"] = {
     **VARIANTS["demo"],
     "reward_funcs": ["gsm8k_accuracy_reward", "gsm8k_format_reward", "gsm8k_step_reward"],
