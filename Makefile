@@ -32,8 +32,10 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
+# DEMO_ARGS adds recipe flags, e.g. DEMO_ARGS="--max_steps 48 --output_dir outputs/quickstart_long" (the study's
+# demo-long variant: longer than the 15-minute demo, see docs/trainer.md).
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml
+	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml $(DEMO_ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" --durations=15
