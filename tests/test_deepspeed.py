@@ -75,27 +75,48 @@ def _launch(stage: int, recipe: str, config: str, model_dir: str, out: Path) -> 
         # DeepSpeed compiles its CPU communication op on first use (~30 s); keep it for the next runs.
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
     }  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the run did not end within 300 s:\n{log[-3000:]}")
+    for attempt in (1, 2):
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            log, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            pytest.fail(f"the run did not end within 300 s:\n{log[-3000:]}")
+        # Rarely (twice in ~40 ZeRO-3 runs, never reproduced on demand) a rank aborts in teardown, after the
+        # model is saved: DeepSpeed/gloo's, not the recipe's. Only that exact failure gets one more launch.
+        if attempt == 1 and _teardown_abort(proc.returncode, log):
+            print(f"teardown abort after the save; launching again:\n{log[-1500:]}")
+            continue
+        break
     if proc.returncode != 0:
         errors = [line for line in log.splitlines() if "Error" in line or "abort" in line.lower()]
         pytest.fail(
             f"rc {proc.returncode}; error lines:\n" + "\n".join(errors[:30]) + f"\n...\n{log[-4000:]}"
         )
     return log
+
+
+def _teardown_abort(returncode: int, log: str) -> bool:
+    """A failed run whose only fault is a SIGABRT at exit: training, evaluation and the save all finished."""
+    done = "held-out metric" in log and "Model saved to" in log
+    return returncode != 0 and done and "terminate called without an active exception" in log
+
+
+def test_teardown_abort_is_recognised_only_after_a_finished_run():
+    finished = "held-out metric ...\nModel saved to /x\nterminate called without an active exception\n"
+    assert _teardown_abort(1, finished)
+    assert not _teardown_abort(0, finished)
+    assert not _teardown_abort(1, finished.replace("Model saved to /x\n", ""))  # died before the save
+    assert not _teardown_abort(1, "held-out metric ...\nModel saved to /x\nRuntimeError: boom\n")
 
 
 @pytest.mark.parametrize(
