@@ -6,7 +6,9 @@ For each system prompt in `PROMPTS`, one greedy generation of up to `--max-token
 prompt. Greedy decoding is prefix-consistent, so cutting each completion at L tokens gives exactly the
 completion that `max_completion_length=L` would produce: one generation measures every length. Per prompt
 and length: accuracy, format reward, the fraction of completions that hit the limit, and accuracy per
-difficulty level. Writes docs/benchmarks/prompt_probe.{json,md}.
+difficulty level. Per prompt style also: its mean length in tokens (chat template included) and the
+seconds its one generation took, side by side in one run (on this CPU a prompt token costs about as much
+compute as a generated one, so a shorter prompt is a faster step). Writes docs/benchmarks/prompt_probe.{json,md}.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +54,6 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
         )  # fmt: skip
         return [list(o.outputs[0].token_ids) for o in outs]
     import torch
-    from trl.data_utils import maybe_apply_chat_template
 
     from trl_dart_es.embedded import load_model, load_tokenizer
 
@@ -59,7 +61,7 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
     tok.padding_side = "left"
     ids = []
     for start in range(0, len(prompts), 64):
-        texts = [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in prompts[start : start + 64]]
+        texts = chat(prompts[start : start + 64], tok)
         batch = tok(texts, return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(
@@ -71,6 +73,13 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
     return ids
 
 
+def chat(prompts: list, tok) -> list[str]:
+    """The prompts as the model reads them: chat template applied (a final assistant message continued)."""
+    from trl.data_utils import maybe_apply_chat_template
+
+    return [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in prompts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=256, help="held-out prompts")
@@ -78,8 +87,18 @@ def main() -> None:
         "--lengths", type=int, nargs="+", default=list(LENGTHS), help="completion limits to score"
     )
     parser.add_argument("--styles", nargs="+", default=list(PROMPT_STYLES))
+    parser.add_argument(
+        "--extra-style", action="append", default=[], metavar="NAME=TEXT",
+        help="a system prompt to try besides the package's styles (repeatable); it is added to --styles",
+    )  # fmt: skip
     parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "prompt_probe"))
     args = parser.parse_args()
+    for spec in args.extra_style:  # registered for this run only: the package's styles are unchanged
+        name, sep, text = spec.partition("=")
+        if not sep or not name or not text or name in PROMPT_STYLES:
+            parser.error(f"--extra-style wants a new NAME=TEXT, got {spec!r}")
+        PROMPT_STYLES[name] = text
+        args.styles.append(name)
 
     from trl_dart_es.embedded import load_tokenizer, resolve_model_path
 
@@ -88,7 +107,14 @@ def main() -> None:
     results = []
     for style in args.styles:
         data = make_synthetic_gsm8k(args.prompts, split="test", prompt_style=style)
+        prompt_tokens = float(
+            np.mean(
+                [len(tok(t, add_special_tokens=False)["input_ids"]) for t in chat(list(data["prompt"]), tok)]
+            )
+        )
+        start = time.perf_counter()
         token_ids = generate(list(data["prompt"]), max(args.lengths), model_dir)
+        seconds = time.perf_counter() - start
         levels = np.asarray(data["level"])
         for length in args.lengths:
             cut = [ids[:length] for ids in token_ids]
@@ -99,6 +125,7 @@ def main() -> None:
             row = {
                 "style": style, "length": length, "accuracy": acc.mean(), "format": fmt.mean(),
                 "hit_limit": hit.mean(), "mean_tokens": float(np.mean([len(c) for c in cut])),
+                "prompt_tokens": prompt_tokens, "generate_s": seconds, "generate_tokens": max(args.lengths),
             }  # fmt: skip
             row.update({f"accuracy_level{lv}": float(acc[levels == lv].mean()) for lv in sorted(set(levels))})
             results.append(row)
@@ -116,16 +143,29 @@ def main() -> None:
         f"- {args.prompts} held-out prompts of `embedded:gsm8k` (test split); machine: {meta['machine']}.",
         f"- Command: `{meta['command']}`.",
         "",
-        "| prompt style | max tokens | accuracy | level 1 | level 2 | level 3 | format reward | hit limit | mean tokens |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| prompt style | max tokens | accuracy | level 1 | level 2 | level 3 | format reward | hit limit | mean tokens | prompt tokens |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(
             f"| {r['style']} | {r['length']} | {r['accuracy']:.1%} | {r.get('accuracy_level1', float('nan')):.1%} | "
             f"{r.get('accuracy_level2', float('nan')):.1%} | {r.get('accuracy_level3', float('nan')):.1%} | "
-            f"{r['format']:.2f} | {r['hit_limit']:.0%} | {r['mean_tokens']:.1f} |"
+            f"{r['format']:.2f} | {r['hit_limit']:.0%} | {r['mean_tokens']:.1f} | {r['prompt_tokens']:.1f} |"
         )
-    lines += ["", f"Default system prompt (`steps`): {GSM8K_SYSTEM_PROMPT!r}", ""]
+    timed = {r["style"]: r for r in results}.values()  # one generation per style
+    lines += [
+        "",
+        f"Seconds of one greedy generation of up to {max(args.lengths)} tokens per prompt, per style:",
+        "",
+    ]
+    lines += [
+        f"- {r['style']}: {r['generate_s']:.1f} s ({r['prompt_tokens']:.1f} prompt tokens)" for r in timed
+    ]
+    lines += ["", f"- Default system prompt (`steps`): {GSM8K_SYSTEM_PROMPT!r}"]
+    lines += [
+        f"- Extra style `{n}`: {PROMPT_STYLES[n]!r}" for n in (s.partition("=")[0] for s in args.extra_style)
+    ]
+    lines += [""]
     out.with_suffix(".md").write_text("\n".join(lines))
 
 
