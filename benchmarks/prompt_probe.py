@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -134,7 +135,7 @@ def main() -> None:
     meta = {
         "machine": machine_description(),
         "prompts": args.prompts,
-        "command": "python " + " ".join(["benchmarks/prompt_probe.py", *sys.argv[1:]]),
+        "command": "python " + shlex.join(["benchmarks/prompt_probe.py", *sys.argv[1:]]),
     }
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": results}, indent=1) + "\n")
     lines = [

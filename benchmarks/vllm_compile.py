@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def main() -> None:
         print(json.dumps(rows[-1]))
     meta = {
         "machine": machine_description(),
-        "command": "python " + " ".join(["benchmarks/vllm_compile.py", *sys.argv[1:]]),
+        "command": "python " + shlex.join(["benchmarks/vllm_compile.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     out = Path(args.output)
