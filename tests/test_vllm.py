@@ -68,6 +68,10 @@ def test_sampling_params_pass_vllm_keywords_and_reject_unknown_ones():
     assert sampling_params_kwargs(gc, {"min_tokens": 3, "temperature": 0.0})["min_tokens"] == 3
     with pytest.raises(ValueError, match="stop_strings"):
         sampling_params_kwargs(gc, {"stop_strings": ["\n\n"]})
+    # vLLM would refuse stop strings at the first generate (no detokenizer in these engines): refused up front.
+    with pytest.raises(ValueError, match=r"\['stop'\].*stop_token_ids"):
+        sampling_params_kwargs(gc, {"stop": ["\nThe answer is"]})
+    assert sampling_params_kwargs(gc, {"stop_token_ids": [5, 2]})["stop_token_ids"] == [2, 5]  # EOS kept
 
 
 def test_missing_vllm_raises_an_install_hint(monkeypatch):

@@ -133,6 +133,16 @@ def sampling_params_kwargs(
                 f"generation_kwargs {unknown} have no vLLM SamplingParams equivalent; with use_vllm=True every "
                 "generation keyword must be understood by vLLM (or drop it, or set use_vllm=False)"
             )
+        # vLLM matches stop strings on its own detokenized text, and these engines run without a tokenizer.
+        needs_text = sorted({"stop", "include_stop_str_in_output"} & set(extra))
+        if needs_text:
+            raise ValueError(
+                f"generation_kwargs {needs_text} (stop strings) are not supported with use_vllm=True: the engine "
+                "runs without a tokenizer (prompts go in as token ids, the trainer decodes completions). Stop on "
+                "token ids with 'stop_token_ids', or set use_vllm=False and pass 'stop_strings'."
+            )
+        if "stop_token_ids" in extra:  # more stops, not fewer: EOS still ends a completion
+            extra["stop_token_ids"] = list(dict.fromkeys([*eos, *extra["stop_token_ids"]]))
         kwargs.update(extra)
     return kwargs
 
