@@ -164,6 +164,13 @@ VARIANTS["demo-step5"] = {
 # The demo run 2.7x as long (6,144 rollouts; with --eval-every 18 its step 18 is the demo's own end): does the gain
 # keep growing with rollouts, or level off as the 15-minute curves do?
 VARIANTS["demo-long"] = {**VARIANTS["demo"], "max_steps": 48, "eval_every": 18}
+# Generation stops at the first "\nThe answer is": untrained, many completions repeat their `#### N` line as "The
+# answer is N." and then loop through more guesses until the 64-token limit, where the last `####` scores. Fewer
+# tokens per rollout (a faster step), and a member's first answer is the one that counts, in training and held out.
+VARIANTS["demo-stop"] = {
+    **VARIANTS["demo"],
+    "generation_kwargs": json.dumps({"stop_strings": ["\nThe answer is"]}),
+}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),

@@ -66,12 +66,26 @@ def test_sampling_params_when_sampling():
 def test_sampling_params_pass_vllm_keywords_and_reject_unknown_ones():
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2)
     assert sampling_params_kwargs(gc, {"min_tokens": 3, "temperature": 0.0})["min_tokens"] == 3
-    with pytest.raises(ValueError, match="stop_strings"):
-        sampling_params_kwargs(gc, {"stop_strings": ["\n\n"]})
-    # vLLM would refuse stop strings at the first generate (no detokenizer in these engines): refused up front.
+    with pytest.raises(ValueError, match="max_length"):
+        sampling_params_kwargs(gc, {"max_length": 9})
+    assert sampling_params_kwargs(gc, {"stop_token_ids": [5, 2]})["stop_token_ids"] == [2, 5]  # EOS kept
+
+
+@requires_vllm
+def test_stop_strings_need_a_detokenizing_engine_and_map_to_vllms_stop():
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2)
+    # Without the engine's tokenizer vLLM would refuse them at the first generate: refused up front, by name.
     with pytest.raises(ValueError, match=r"\['stop'\].*stop_token_ids"):
         sampling_params_kwargs(gc, {"stop": ["\nThe answer is"]})
-    assert sampling_params_kwargs(gc, {"stop_token_ids": [5, 2]})["stop_token_ids"] == [2, 5]  # EOS kept
+    with pytest.raises(ValueError, match="stop_strings=.*tokenizer"):
+        sampling_params_kwargs(gc, {"stop_strings": ["\n\n"]})
+    # transformers' `stop_strings` (in generation_kwargs, or already in the GenerationConfig) is vLLM's `stop`.
+    kw = sampling_params_kwargs(gc, {"stop_strings": ["\n\n"]}, detokenize=True)
+    assert kw["stop"] == ["\n\n"] and kw["detokenize"] and "stop_strings" not in kw
+    gc.stop_strings = "####"
+    assert sampling_params_kwargs(gc, detokenize=True)["stop"] == ["####"]
+    kw = sampling_params_kwargs(gc, {"stop": ["x"]}, detokenize=True)
+    assert kw["stop"] == ["x"] and kw["detokenize"]  # vLLM's own key wins over the GenerationConfig's
 
 
 def test_missing_vllm_raises_an_install_hint(monkeypatch):

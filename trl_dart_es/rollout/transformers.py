@@ -92,8 +92,15 @@ class TransformersRollout:
 
     def _decode(self, sequences: torch.Tensor, prompt_len: int) -> Generation:
         texts, ids = [], []
+        stops = self.generation_config.stop_strings
+        stops = [stops] if isinstance(stops, str) else list(stops or [])
         for row in sequences[:, prompt_len:].tolist():
             cut = next((i + 1 for i, t in enumerate(row) if t in self.eos_token_ids), len(row))
+            # A row that a stop string ended is padded (pad = EOS here) while the batch goes on: that EOS was never
+            # generated. Generation stops at a stop string's first occurrence, so one before the EOS means padding.
+            if stops and cut and row[cut - 1] in self.eos_token_ids:
+                before = self.tokenizer.decode(row[: cut - 1], skip_special_tokens=True)
+                cut -= any(stop in before for stop in stops)
             ids.append(row[:cut])
             texts.append(self.tokenizer.decode(row[:cut], skip_special_tokens=True))
         return Generation(texts=texts, token_ids=ids)

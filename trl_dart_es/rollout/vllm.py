@@ -70,6 +70,7 @@ _MAPPED_GENERATION_KEYS = {
     "repetition_penalty",
     "eos_token_id",
     "pad_token_id",
+    "stop_strings",  # transformers' name; vLLM's is `stop`
 }
 _SEED_MOD = 2**63
 logger = logging.getLogger(__name__)
@@ -93,15 +94,28 @@ def _require_vllm():
 
 
 # ------------------------------------------------------------------------------------------ sampling params
+def needs_detokenizer(generation_kwargs: dict[str, Any] | None) -> bool:
+    """Whether ``generation_kwargs`` ask vLLM for stop strings, which it matches on its own detokenized text."""
+    return bool(_TEXT_STOP_KEYS & set(generation_kwargs or {}))
+
+
+_TEXT_STOP_KEYS = {"stop", "stop_strings", "include_stop_str_in_output"}
+
+
 def sampling_params_kwargs(
-    generation_config: GenerationConfig, generation_kwargs: dict[str, Any] | None = None
+    generation_config: GenerationConfig,
+    generation_kwargs: dict[str, Any] | None = None,
+    *,
+    detokenize: bool = False,
 ) -> dict[str, Any]:
     """`vllm.SamplingParams` keyword arguments that decode like `generation_config` does in transformers.
 
     Greedy when ``do_sample`` is off; EOS ids become ``stop_token_ids``; completions are detokenized by the
     trainer's tokenizer (``detokenize=False``), so both backends produce the same text from the same ids.
     Keys of ``generation_kwargs`` that are not standard GenerationConfig fields are passed to vLLM unchanged
-    (GRPO's convention); a key vLLM does not know raises a ValueError.
+    (GRPO's convention); a key vLLM does not know raises a ValueError. Stop strings (``stop``) need an engine
+    started with the tokenizer (``start_engine(..., tokenizer=...)``) and ``detokenize=True``; the token ids,
+    which the trainer decodes, then end where vLLM found the stop string.
     """
     eos = generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -122,6 +136,18 @@ def sampling_params_kwargs(
         )
     else:
         kwargs.update(temperature=0.0)
+    stop_strings = (generation_kwargs or {}).get(
+        "stop_strings", getattr(generation_config, "stop_strings", None)
+    )
+    if stop_strings:  # one setting for both backends: transformers' `stop_strings` is vLLM's `stop`
+        if not detokenize:
+            raise ValueError(
+                f"stop_strings={stop_strings!r} needs a vLLM engine started with the tokenizer "
+                "(start_engine(..., tokenizer=...); the trainer does this when generation_kwargs has stop strings)"
+            )
+        kwargs.update(
+            stop=[stop_strings] if isinstance(stop_strings, str) else list(stop_strings), detokenize=True
+        )
     extra = {k: v for k, v in (generation_kwargs or {}).items() if k not in _MAPPED_GENERATION_KEYS}
     if extra:
         from vllm import SamplingParams
@@ -133,14 +159,15 @@ def sampling_params_kwargs(
                 f"generation_kwargs {unknown} have no vLLM SamplingParams equivalent; with use_vllm=True every "
                 "generation keyword must be understood by vLLM (or drop it, or set use_vllm=False)"
             )
-        # vLLM matches stop strings on its own detokenized text, and these engines run without a tokenizer.
-        needs_text = sorted({"stop", "include_stop_str_in_output"} & set(extra))
-        if needs_text:
+        needs_text = sorted(_TEXT_STOP_KEYS & set(extra))
+        if needs_text and not detokenize:
             raise ValueError(
-                f"generation_kwargs {needs_text} (stop strings) are not supported with use_vllm=True: the engine "
-                "runs without a tokenizer (prompts go in as token ids, the trainer decodes completions). Stop on "
-                "token ids with 'stop_token_ids', or set use_vllm=False and pass 'stop_strings'."
+                f"generation_kwargs {needs_text} (stop strings) need a vLLM engine started with the tokenizer "
+                "(start_engine(..., tokenizer=...); the trainer does this when generation_kwargs has 'stop'). "
+                "Or stop on token ids with 'stop_token_ids'."
             )
+        if needs_text:
+            kwargs["detokenize"] = True
         if "stop_token_ids" in extra:  # more stops, not fewer: EOS still ends a completion
             extra["stop_token_ids"] = list(dict.fromkeys([*eos, *extra["stop_token_ids"]]))
         kwargs.update(extra)
@@ -324,6 +351,9 @@ class _Engine:
     own_process_group: bool = False
     vllm_threads: int | None = None  # torch threads the process had once vLLM started (CPU), before ours
     tmpdir: Any = None
+    # The tokenizer's folder when the engine detokenizes (stop strings); None: prompts in and completions out
+    # as token ids only.
+    tokenizer_dir: Any = None
     sleeping: bool = False
     # The engine model's fused modules ("qkv_proj": ["q_proj", "k_proj", "v_proj"]): loaded as one unit.
     packed: dict = field(default_factory=dict)
@@ -371,6 +401,7 @@ def start_engine(
     max_lora_rank: int = 1,
     cpu_threads: int | None = None,
     lora_kernel: str = "grouped",
+    tokenizer: Any = None,
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
@@ -388,6 +419,10 @@ def start_engine(
 
     ``lora_kernel`` picks the multi-LoRA ops of a CPU engine: ``"grouped"`` (:mod:`trl_dart_es.rollout.grouped_lora`)
     or ``"vllm"`` (vLLM's own). It is process-wide and applied at every call, also to a reused engine.
+
+    ``tokenizer`` (the trainer's) starts the engine with it, so that vLLM can match stop strings
+    (``generation_kwargs={"stop": [...]}``); without it the engine skips its tokenizer: prompts arrive as
+    token ids and the trainer decodes completions.
     """
     global _ENGINE
     vllm = _require_vllm()
@@ -424,8 +459,10 @@ def start_engine(
         base = model.get_base_model() if _is_peft_model(model) else model
         key_path = ("config", base.config.to_json_string(use_diff=False))
     lora = (int(max_loras), _vllm_lora_rank(max_lora_rank)) if max_loras > 0 else None
+    tokenizer_key = None if tokenizer is None else (getattr(tokenizer, "name_or_path", ""), len(tokenizer))
     key = (
-        key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space, lora
+        key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space, lora,
+        tokenizer_key,
     )  # fmt: skip
     if _ENGINE is not None and _ENGINE.key == key:
         if tmp is not None:
@@ -464,7 +501,8 @@ def start_engine(
         # Members differ only in weights: cached KV of a shared prompt prefix would belong to the previous
         # member's weights. Without the cache, every generate call is independent of the history.
         enable_prefix_caching=False,
-        # Prompts arrive as token ids and completions are decoded by the trainer's tokenizer.
+        # Prompts arrive as token ids and completions are decoded by the trainer's tokenizer (vLLM gets the
+        # tokenizer only to match stop strings, below).
         skip_tokenizer_init=True,
         # The trainer's config decides decoding, not the folder's generation_config.json.
         generation_config="vllm",
@@ -473,6 +511,15 @@ def start_engine(
     )
     if max_num_seqs is not None:
         engine_kwargs["max_num_seqs"] = max_num_seqs
+    tokenizer_dir = None
+    if tokenizer is not None:
+        tokenizer_dir = tempfile.TemporaryDirectory(prefix="dart_es_vllm_tokenizer_")
+        tokenizer.save_pretrained(tokenizer_dir.name)
+        # vLLM also reads a config.json from the tokenizer's folder (and logs errors while it retries without).
+        (model.get_base_model() if _is_peft_model(model) else model).config.to_json_file(
+            os.path.join(tokenizer_dir.name, "config.json")
+        )
+        engine_kwargs.update(tokenizer=tokenizer_dir.name, skip_tokenizer_init=False)
     if lora is not None:
         engine_kwargs.update(
             enable_lora=True, max_loras=lora[0], max_cpu_loras=lora[0], max_lora_rank=lora[1]
@@ -502,6 +549,7 @@ def start_engine(
         weight_sync,
         on_cpu,
         tmpdir=tmp,
+        tokenizer_dir=tokenizer_dir,
         own_process_group=not dist_initialised,
         vllm_threads=vllm_threads,
         packed=llm.collective_rpc(_packed_modules)[0],
@@ -536,6 +584,7 @@ def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
         world_size=accelerator.num_processes,
         cpu_threads=args.vllm_cpu_threads,
         lora_kernel=args.vllm_lora_kernel,
+        tokenizer=trainer.processing_class if needs_detokenizer(args.generation_kwargs) else None,
         **engine_kwargs,
     )
 
@@ -581,8 +630,9 @@ def shutdown_engine() -> None:
             destroy_distributed_environment()
     except Exception:  # pragma: no cover
         pass
-    if engine.tmpdir is not None:
-        engine.tmpdir.cleanup()
+    for folder in (engine.tmpdir, engine.tokenizer_dir):
+        if folder is not None:
+            folder.cleanup()
     del engine
     gc.collect()
 
@@ -731,7 +781,11 @@ class VLLMRollout:
         self.engine = engine
         self.chat_template_kwargs = chat_template_kwargs
         self.sampling_seed = sampling_seed
-        self._sampling_kwargs = sampling_params_kwargs(generation_config, generation_kwargs)
+        self._sampling_kwargs = sampling_params_kwargs(
+            generation_config,
+            generation_kwargs,
+            detokenize=getattr(engine, "tokenizer_dir", None) is not None,
+        )
         self._sample = bool(generation_config.do_sample)
         self._SamplingParams = SamplingParams
 
