@@ -31,6 +31,30 @@ def make_tiny_llama(
 
 
 # ------------------------------------------------------------------------ toy data, rewards and config
+def run_launch(cmd: list[str], env: dict[str, str], timeout: float, cwd) -> tuple[int, str]:
+    """Run a launcher command in a session of its own (so a hung run dies with all its worker processes);
+    its return code and combined output. Fails the test when it outlives `timeout` seconds."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout} s:\n{log[-3000:]}")
+    return proc.returncode, log
+
+
 def toy_dataset(n: int = 8, conversational: bool = True):
     """`n` addition questions in TRL's prompt format, with an `answer` and a stable `id` column."""
     from datasets import Dataset

@@ -10,15 +10,13 @@ weights that changed.
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, run_launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "grpo_deepspeed_probe.py"
@@ -76,32 +74,16 @@ def _launch(stage: int, recipe: str, config: str, model_dir: str, out: Path) -> 
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
     }  # fmt: skip
     for attempt in (1, 2):
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            log, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            pytest.fail(f"the run did not end within 300 s:\n{log[-3000:]}")
+        returncode, log = run_launch(cmd, env, 300, cwd=REPO)
         # Rarely (twice in ~40 ZeRO-3 runs, never reproduced on demand) a rank aborts in teardown, after the
         # model is saved: DeepSpeed/gloo's, not the recipe's. Only that exact failure gets one more launch.
-        if attempt == 1 and _teardown_abort(proc.returncode, log):
+        if attempt == 1 and _teardown_abort(returncode, log):
             print(f"teardown abort after the save; launching again:\n{log[-1500:]}")
             continue
         break
-    if proc.returncode != 0:
+    if returncode != 0:
         errors = [line for line in log.splitlines() if "Error" in line or "abort" in line.lower()]
-        pytest.fail(
-            f"rc {proc.returncode}; error lines:\n" + "\n".join(errors[:30]) + f"\n...\n{log[-4000:]}"
-        )
+        pytest.fail(f"rc {returncode}; error lines:\n" + "\n".join(errors[:30]) + f"\n...\n{log[-4000:]}")
     return log
 
 

@@ -7,9 +7,7 @@ that silently started one process cannot pass as two.
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import DistributedType
+from conftest import run_launch
 from safetensors.torch import load_file
 
 from trl_dart_es import DartESConfig
@@ -51,23 +50,8 @@ def _run(
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
-    # A session of its own, so that a run that hangs is killed with all its worker processes.
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the run did not end within {timeout} s:\n{log[-3000:]}")
-    return proc.returncode, log, time.monotonic() - start
+    returncode, log = run_launch(cmd, env, timeout, cwd=REPO)
+    return returncode, log, time.monotonic() - start
 
 
 def _result(out: Path, rank: int):
