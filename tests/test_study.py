@@ -1,6 +1,7 @@
 """The learning study's runner (benchmarks/study.py): every variant is a valid trainer config."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +31,8 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
     )
     for key, value in overrides.items():
         if key not in ("prompt_style", "budget_minutes", "max_steps", "reward_funcs", "eval_every"):
+            if isinstance(getattr(cfg, key), dict) and isinstance(value, str):  # a dict field given as JSON
+                value = json.loads(value)
             assert getattr(cfg, key) == value, key
     # A variant's reward functions reach the recipe's TaskArguments, one weight per function.
     assert script_args.reward_funcs == overrides.get("reward_funcs")
