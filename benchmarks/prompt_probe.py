@@ -25,6 +25,7 @@ import numpy as np
 
 from trl_dart_es.benchmark import machine_description
 from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
+from trl_dart_es.rollout.prompts import render_prompts
 from trl_dart_es.tasks.gsm8k import GSM8K_SYSTEM_PROMPT, PROMPT_STYLES, make_synthetic_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
     tok.padding_side = "left"
     ids = []
     for start in range(0, len(prompts), 64):
-        texts = chat(prompts[start : start + 64], tok)
+        texts = render_prompts(prompts[start : start + 64], tok)
         batch = tok(texts, return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(
@@ -72,13 +73,6 @@ def generate(prompts: list[list[dict]], max_tokens: int, model_dir: str) -> list
             row = row.tolist()
             ids.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
     return ids
-
-
-def chat(prompts: list, tok) -> list[str]:
-    """The prompts as the model reads them: chat template applied (a final assistant message continued)."""
-    from trl.data_utils import maybe_apply_chat_template
-
-    return [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in prompts]
 
 
 def main() -> None:
@@ -110,7 +104,10 @@ def main() -> None:
         data = make_synthetic_gsm8k(args.prompts, split="test", prompt_style=style)
         prompt_tokens = float(
             np.mean(
-                [len(tok(t, add_special_tokens=False)["input_ids"]) for t in chat(list(data["prompt"]), tok)]
+                [
+                    len(tok(t, add_special_tokens=False)["input_ids"])
+                    for t in render_prompts(list(data["prompt"]), tok)
+                ]
             )
         )
         start = time.perf_counter()

@@ -30,17 +30,17 @@ def measure(mode: str, prompts: int, max_tokens: int, repeats: int) -> dict:
     """Runs in its own process: engine start, `repeats` timed generations, one prefill-only generation."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as the demo (vllm_cpu_kvcache_space: 1)
-    from trl.data_utils import maybe_apply_chat_template
     from vllm import LLM, SamplingParams
 
     from trl_dart_es.embedded import load_tokenizer, resolve_model_path
+    from trl_dart_es.rollout.prompts import render_prompts
     from trl_dart_es.tasks.gsm8k import make_synthetic_gsm8k
 
     model_dir = resolve_model_path("embedded:smollm2-135m")
     tok = load_tokenizer(model_dir)
     data = make_synthetic_gsm8k(prompts, split="train", prompt_style="answer")
-    texts = [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in data["prompt"]]
-    rows = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
+    encoded = tok(render_prompts(data["prompt"], tok), add_special_tokens=False)["input_ids"]
+    rows = [{"prompt_token_ids": ids} for ids in encoded]
     start = time.perf_counter()
     llm = LLM(
         model=model_dir, dtype="float32", max_model_len=1024, enforce_eager=mode == "eager",
