@@ -41,12 +41,14 @@ def test_stop_strings_end_vllm_completions_where_transformers_ends_them():
         b = from_hf.generate_population(rows["prompt"], [member])[0]
     finally:
         vllm_rollout.shutdown_engine()
-    hits = [i for i, text in enumerate(free.texts) if STOP in text]
-    assert hits, "no untrained completion says 'The answer is': the test would not see the stop"
+    assert any(STOP in text for text in free.texts), (
+        "no completion says 'The answer is': the test would not see the stop"
+    )
     same = sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=True))
     assert same >= 0.9 * PROMPTS, f"only {same}/{PROMPTS} identical completions"
     for text in a.texts:  # nothing after the stop string but the rest of its last token
         if STOP in text:
             assert len(text) - (text.index(STOP) + len(STOP)) <= 2, repr(text)
-    stopped = [i for i, text in enumerate(a.texts) if STOP in text]
-    assert stopped and sum(map(len, a.token_ids)) < sum(map(len, free.token_ids))
+    assert any(STOP in text for text in a.texts) and sum(map(len, a.token_ids)) < sum(
+        map(len, free.token_ids)
+    )

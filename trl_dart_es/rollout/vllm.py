@@ -94,12 +94,12 @@ def _require_vllm():
 
 
 # ------------------------------------------------------------------------------------------ sampling params
+_TEXT_STOP_KEYS = {"stop", "stop_strings", "include_stop_str_in_output"}
+
+
 def needs_detokenizer(generation_kwargs: dict[str, Any] | None) -> bool:
     """Whether ``generation_kwargs`` ask vLLM for stop strings, which it matches on its own detokenized text."""
     return bool(_TEXT_STOP_KEYS & set(generation_kwargs or {}))
-
-
-_TEXT_STOP_KEYS = {"stop", "stop_strings", "include_stop_str_in_output"}
 
 
 def sampling_params_kwargs(
@@ -452,11 +452,11 @@ def start_engine(
         else None
     )
     dtype = next(model.parameters()).dtype
+    base = model.get_base_model() if _is_peft_model(model) else model
     path, tmp = _model_dir_for(model)
     if tmp is None:
         key_path = path
     else:  # a temporary copy: the same architecture can reuse an engine
-        base = model.get_base_model() if _is_peft_model(model) else model
         key_path = ("config", base.config.to_json_string(use_diff=False))
     lora = (int(max_loras), _vllm_lora_rank(max_lora_rank)) if max_loras > 0 else None
     tokenizer_key = None if tokenizer is None else (getattr(tokenizer, "name_or_path", ""), len(tokenizer))
@@ -516,9 +516,7 @@ def start_engine(
         tokenizer_dir = tempfile.TemporaryDirectory(prefix="dart_es_vllm_tokenizer_")
         tokenizer.save_pretrained(tokenizer_dir.name)
         # vLLM also reads a config.json from the tokenizer's folder (and logs errors while it retries without).
-        (model.get_base_model() if _is_peft_model(model) else model).config.to_json_file(
-            os.path.join(tokenizer_dir.name, "config.json")
-        )
+        base.config.to_json_file(os.path.join(tokenizer_dir.name, "config.json"))
         engine_kwargs.update(tokenizer=tokenizer_dir.name, skip_tokenizer_init=False)
     if lora is not None:
         engine_kwargs.update(
@@ -784,7 +782,7 @@ class VLLMRollout:
         self._sampling_kwargs = sampling_params_kwargs(
             generation_config,
             generation_kwargs,
-            detokenize=getattr(engine, "tokenizer_dir", None) is not None,
+            detokenize=engine.tokenizer_dir is not None,
         )
         self._sample = bool(generation_config.do_sample)
         self._SamplingParams = SamplingParams
