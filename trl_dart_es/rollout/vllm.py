@@ -358,6 +358,18 @@ class _Engine:
     # The engine model's fused modules ("qkv_proj": ["q_proj", "k_proj", "v_proj"]): loaded as one unit.
     packed: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0, "tensors": 0})
+    prefix_caching: bool = False
+
+    def generate(self, rows: list, sampling: Any, **kwargs: Any) -> list:
+        """``llm.generate`` on cached prompt prefixes from this call only.
+
+        Cached KV belongs to the weights (and adapter) that computed it, and the weights change between calls
+        (every member push, every update; adapter ids are reused), so the cache is emptied first. Within one
+        call the weights are fixed: prompts that share a prefix compute it once per adapter.
+        """
+        if self.prefix_caching:
+            self.llm.reset_prefix_cache()
+        return self.llm.generate(rows, sampling, use_tqdm=False, **kwargs)
 
 
 _ENGINE: _Engine | None = None
@@ -402,6 +414,7 @@ def start_engine(
     cpu_threads: int | None = None,
     lora_kernel: str = "grouped",
     tokenizer: Any = None,
+    enable_prefix_caching: bool = False,
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
@@ -419,6 +432,10 @@ def start_engine(
 
     ``lora_kernel`` picks the multi-LoRA ops of a CPU engine: ``"grouped"`` (:mod:`trl_dart_es.rollout.grouped_lora`)
     or ``"vllm"`` (vLLM's own). It is process-wide and applied at every call, also to a reused engine.
+
+    ``enable_prefix_caching`` turns on vLLM's prefix cache for the prompts of one generate call
+    (:meth:`_Engine.generate` empties it before each); on CPU the block size is then 32, the smallest the CPU
+    attention accepts (vLLM's default there, 128, would share only prefixes of 128 tokens or more).
 
     ``tokenizer`` (the trainer's) starts the engine with it, so that vLLM can match stop strings
     (``generation_kwargs={"stop": [...]}``); without it the engine skips its tokenizer: prompts arrive as
@@ -462,7 +479,7 @@ def start_engine(
     tokenizer_key = None if tokenizer is None else (getattr(tokenizer, "name_or_path", ""), len(tokenizer))
     key = (
         key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space, lora,
-        tokenizer_key,
+        tokenizer_key, enable_prefix_caching,
     )  # fmt: skip
     if _ENGINE is not None and _ENGINE.key == key:
         if tmp is not None:
@@ -498,9 +515,9 @@ def start_engine(
         max_model_len=max_model_len,
         tensor_parallel_size=1,
         distributed_executor_backend=backend,
-        # Members differ only in weights: cached KV of a shared prompt prefix would belong to the previous
-        # member's weights. Without the cache, every generate call is independent of the history.
-        enable_prefix_caching=False,
+        # Cached KV belongs to the weights that computed it, which change between generate calls: the cache is
+        # off, or emptied before every call (_Engine.generate).
+        enable_prefix_caching=enable_prefix_caching,
         # Prompts arrive as token ids and completions are decoded by the trainer's tokenizer (vLLM gets the
         # tokenizer only to match stop strings, below).
         skip_tokenizer_init=True,
@@ -521,6 +538,10 @@ def start_engine(
     if lora is not None:
         engine_kwargs.update(
             enable_lora=True, max_loras=lora[0], max_cpu_loras=lora[0], max_lora_rank=lora[1]
+        )
+    if on_cpu and enable_prefix_caching:
+        engine_kwargs["block_size"] = (
+            32  # the CPU attention's smallest (MultipleOf(32)); only full blocks are shared
         )
     if on_cpu:
         # torch.compile on CPU: +77 s at start-up for ~2 s (6%) per demo-sized generate (docs/vllm.md).
@@ -551,6 +572,7 @@ def start_engine(
         own_process_group=not dist_initialised,
         vllm_threads=vllm_threads,
         packed=llm.collective_rpc(_packed_modules)[0],
+        prefix_caching=enable_prefix_caching,
     )
     if weight_sync == "reload" and not all(llm.collective_rpc(_can_reload_from_memory)):
         shutdown_engine()
@@ -583,6 +605,7 @@ def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
         cpu_threads=args.vllm_cpu_threads,
         lora_kernel=args.vllm_lora_kernel,
         tokenizer=trainer.processing_class if needs_detokenizer(args.generation_kwargs) else None,
+        enable_prefix_caching=args.vllm_enable_prefix_caching,
         **engine_kwargs,
     )
 
@@ -816,7 +839,7 @@ class VLLMRollout:
         return [self._SamplingParams(**self._sampling_kwargs, seed=(seed + i) % _SEED_MOD) for i in range(n)]
 
     def _generate_encoded(self, encoded: list[dict[str, list[int]]], seed: int | None) -> Generation:
-        outputs = self.engine.llm.generate(encoded, self._sampling_params(len(encoded), seed), use_tqdm=False)
+        outputs = self.engine.generate(encoded, self._sampling_params(len(encoded), seed))
         ids = [list(out.outputs[0].token_ids) for out in outputs]
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
         return Generation(texts=texts, token_ids=ids)

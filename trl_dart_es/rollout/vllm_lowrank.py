@@ -234,7 +234,7 @@ class VLLMLowRankRollout(VLLMRollout):
             rows = encoded * len(members)  # member-major: row i belongs to member i // B
             sampling = [sp for m in members for sp in self._sampling_params(len(encoded), m.seed)]
             loras = [r for r in requests for _ in encoded]
-            outputs = self.engine.llm.generate(rows, sampling, lora_request=loras, use_tqdm=False)
+            outputs = self.engine.generate(rows, sampling, lora_request=loras)
         finally:
             t1 = time.perf_counter()
             self._remove_adapters(requests, folder)

@@ -230,6 +230,16 @@ class DartESConfig(TrainingArguments):
     vllm_enable_sleep_mode: bool = field(
         default=False, metadata={"help": "Let the vLLM engine sleep between steps (CUDA only)."}
     )
+    vllm_enable_prefix_caching: bool = field(
+        default=False,
+        metadata={
+            "help": "Improvement: let vLLM compute a prompt prefix shared by the prompts of one generate call once "
+            "(per adapter) instead of once per prompt. The cache is emptied before every call, because the weights "
+            "change between calls, so results match the engine without it up to float rounding. Pays when prompts "
+            "share a long prefix (a system prompt, few-shot examples): on CPU only whole blocks of 32 tokens are "
+            "shared (docs/vllm.md 'Prefix caching'). False: every prompt computed in full, the reference."
+        },
+    )
     vllm_cpu_kvcache_space: int = field(
         default=4, metadata={"help": "KV-cache size in GiB for vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)."}
     )
