@@ -17,7 +17,6 @@ PROMPTS = 16
 @requires_vllm
 @requires_embedded
 def test_stop_strings_end_vllm_completions_where_transformers_ends_them():
-
     model, tokenizer = load_embedded()
     rows = load_task_dataset("embedded:gsm8k", "test", num_examples=PROMPTS, prompt_style="answer").to_dict()
     engine = vllm_rollout.start_engine(model, cpu_kvcache_space=1, max_model_len=1024, tokenizer=tokenizer)

@@ -540,9 +540,8 @@ def start_engine(
             enable_lora=True, max_loras=lora[0], max_cpu_loras=lora[0], max_lora_rank=lora[1]
         )
     if on_cpu and enable_prefix_caching:
-        engine_kwargs["block_size"] = (
-            32  # the CPU attention's smallest (MultipleOf(32)); only full blocks are shared
-        )
+        # The CPU attention's smallest block (MultipleOf(32)): only whole blocks are shared.
+        engine_kwargs["block_size"] = 32
     if on_cpu:
         # torch.compile on CPU: +77 s at start-up for ~2 s (6%) per demo-sized generate (docs/vllm.md).
         engine_kwargs["enforce_eager"] = True
