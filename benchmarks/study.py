@@ -171,6 +171,31 @@ VARIANTS["demo-stop"] = {
     **VARIANTS["demo"],
     "generation_kwargs": json.dumps({"stop_strings": ["\nThe answer is"]}),
 }
+# Only the RMSNorm gains evolve (35,136 of 134.5M parameters, full-rank noise), on the transformers low-rank backend
+# (vLLM's adapters cannot carry norms). ES's progress per rollout falls with the number of dimensions it searches;
+# a gain scales a whole channel, so this small space may hold much of what a fine-tune can change. A gain is
+# 0.03-1.8 in size and one of 3e-3 flips about as many greedy completions as the demo's 2e-3 on the matrices.
+_NORMS = ["input_layernorm", "post_attention_layernorm", "norm"]
+VARIANTS["demo-norms"] = {
+    **{k: v for k, v in VARIANTS["demo"].items() if k not in ("use_vllm", "vllm_cpu_kvcache_space")},
+    "lowrank_targets": "all", "lowrank_target_modules": _NORMS, "sigma": 3e-3, "learning_rate": 1.5e-3,
+    "eval_every": 9,
+}  # fmt: skip
+# The demo with its prompt behind "You are good at math." (prompt style "answer-math"): every prompt shares 32
+# tokens, one block of vLLM's CPU prefix cache, so with the cache on each member computes ~38 prompt tokens per
+# prompt instead of ~70 (untrained, greedy, 256 held-out prompts: 30.9% against the demo prompt's 26.2%).
+VARIANTS["demo-math-cache"] = {
+    **VARIANTS["demo"],
+    "prompt_style": "answer-math",
+    "vllm_enable_prefix_caching": True,
+}
+# The same with a prompt that, untrained, behaves like the demo's (26.2%, 48.7 tokens per completion) and shares 35
+# tokens: "answer" plus "Write the answer line once, then stop." (style "answer-once").
+VARIANTS["demo-once-cache"] = {
+    **VARIANTS["demo"],
+    "prompt_style": "answer-once",
+    "vllm_enable_prefix_caching": True,
+}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),

@@ -5,8 +5,9 @@
 One fresh process per (system prompt, cache) case starts the package's engine on the embedded model (fp32,
 LoRA slots for the demo's 4 members, the cache on or off) and generates the demo's population through the
 package's rollout: 4 rank-1 members (2 antithetic pairs) x 32 train prompts, greedy, up to 64 tokens, twice.
-System prompts: the demo's ("answer", 26 tokens shared by every prompt, less than one 32-token block) and a
-longer one with an example (80 shared tokens: two whole blocks). Writes docs/benchmarks/vllm_prefix_cache.{json,md}.
+System prompts: the pre-cache demo's ("answer", 26 tokens shared by every prompt, less than one 32-token block),
+the same behind one sentence ("answer-math": 32 shared tokens, one whole block) and a longer one with an example
+(83 shared tokens: two whole blocks). Writes docs/benchmarks/vllm_prefix_cache.{json,md}.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from trl_dart_es.benchmark import machine_description
+from trl_dart_es.tasks.gsm8k import PROMPT_STYLES
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = (
@@ -28,7 +30,8 @@ LONG = (
     "line only: #### followed by the final number. Example: a shop sells 3 boxes of 12 eggs, so the reply is "
     "#### 36. Give only the final answer, written as #### followed by the number. Do not explain."
 )
-SYSTEMS = {"answer": None, "long": LONG}
+# "answer-math" is the "answer" prompt behind one sentence: 32 shared tokens, exactly one whole block.
+SYSTEMS = {"answer": None, "answer-math": PROMPT_STYLES["answer-math"], "long": LONG}
 
 
 def measure(system: str, cache: bool, members: int, prompts: int, max_tokens: int, repeats: int) -> dict:

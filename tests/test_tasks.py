@@ -251,3 +251,25 @@ def test_task_arguments_reward_funcs_import_a_module_from_the_working_directory(
         dataset_name="embedded:gsm8k", reward_funcs=["my_study_rewards.always_one"]
     ).load_reward_funcs()
     assert func(["a", "b"]) == [1.0, 1.0]
+
+
+def test_block_styles_share_one_prefix_cache_block():
+    """ "answer-math" and "answer-once" exist for vLLM's CPU prefix cache (32-token blocks): with the embedded
+    model's chat template every prompt must share at least one whole block, where "answer" shares less."""
+    import os
+
+    from trl_dart_es.embedded import load_tokenizer
+
+    tok = load_tokenizer("embedded:smollm2-135m")
+
+    def shared(style: str) -> int:
+        rows = make_synthetic_gsm8k(32, split="train", prompt_style=style)["prompt"]
+        ids = [
+            tok.apply_chat_template(r, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in rows
+        ]
+        return len(os.path.commonprefix([list(x) for x in ids]))
+
+    assert shared("answer") < 32
+    assert shared("answer-math") >= 32
+    assert shared("answer-once") >= 32
