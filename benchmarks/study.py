@@ -173,8 +173,8 @@ VARIANTS["demo-stop"] = {
 }
 # Only the RMSNorm gains evolve (35,136 of 134.5M parameters, full-rank noise), on the transformers low-rank backend
 # (vLLM's adapters cannot carry norms). ES's progress per rollout falls with the number of dimensions it searches;
-# a gain scales a whole channel, so this small space may hold much of what a fine-tune can change. A gain is
-# 0.03-1.8 in size and one of 3e-3 flips about as many greedy completions as the demo's 2e-3 on the matrices.
+# a gain scales a whole channel, so this small space may hold much of what a fine-tune can change. The gains are
+# 0.03-1.8 in size; sigma = 3e-3 (with the demo's alpha/sigma ratio) is a choice, not a tuned value.
 _NORMS = ["input_layernorm", "post_attention_layernorm", "norm"]
 VARIANTS["demo-norms"] = {
     **{k: v for k, v in VARIANTS["demo"].items() if k not in ("use_vllm", "vllm_cpu_kvcache_space")},

@@ -5,7 +5,7 @@
 One fresh process per (system prompt, cache) case starts the package's engine on the embedded model (fp32,
 LoRA slots for the demo's 4 members, the cache on or off) and generates the demo's population through the
 package's rollout: 4 rank-1 members (2 antithetic pairs) x 32 train prompts, greedy, up to 64 tokens, twice.
-System prompts: the pre-cache demo's ("answer", 26 tokens shared by every prompt, less than one 32-token block),
+System prompts: the demo's ("answer", 26 tokens shared by every prompt, less than one 32-token block),
 the same behind one sentence ("answer-math": 32 shared tokens, one whole block) and a longer one with an example
 (83 shared tokens: two whole blocks). Writes docs/benchmarks/vllm_prefix_cache.{json,md}.
 """

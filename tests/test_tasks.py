@@ -259,16 +259,14 @@ def test_block_styles_share_one_prefix_cache_block():
     import os
 
     from trl_dart_es.embedded import load_tokenizer
+    from trl_dart_es.rollout.prompts import render_prompts
 
     tok = load_tokenizer("embedded:smollm2-135m")
 
-    def shared(style: str) -> int:
+    def shared(style: str) -> int:  # tokenized as the vLLM rollout encodes prompts
         rows = make_synthetic_gsm8k(32, split="train", prompt_style=style)["prompt"]
-        ids = [
-            tok.apply_chat_template(r, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for r in rows
-        ]
-        return len(os.path.commonprefix([list(x) for x in ids]))
+        ids = tok(render_prompts(rows, tok), add_special_tokens=False)["input_ids"]
+        return len(os.path.commonprefix(ids))
 
     assert shared("answer") < 32
     assert shared("answer-math") >= 32

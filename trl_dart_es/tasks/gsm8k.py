@@ -26,6 +26,7 @@ GSM8K_SYSTEM_PROMPT = (
 # What the system prompt asks for (`prompt_style`); the learning study (docs/benchmarks/study.md) compares
 # them. "steps" is GSM8K_SYSTEM_PROMPT; the others ask for shorter completions, which a small completion
 # budget cuts off less often.
+_ANSWER = "Give only the final answer, written as #### followed by the number. Do not explain."
 PROMPT_STYLES: dict[str, str] = {
     "steps": GSM8K_SYSTEM_PROMPT,
     "brief": (
@@ -33,17 +34,15 @@ PROMPT_STYLES: dict[str, str] = {
         "Then write #### followed by the final number."
     ),
     "equation": "Write one equation that solves the problem, then #### followed by the final number.",
-    "answer": "Give only the final answer, written as #### followed by the number. Do not explain.",
+    "answer": _ANSWER,
     "direct": "Give only the final answer: one number.",
     # "answer" behind one short sentence: with SmolLM2's chat template every prompt then shares exactly 32
     # tokens, one whole block of vLLM's CPU prefix cache (`vllm_enable_prefix_caching`), so each member
     # computes that prefix once per call instead of once per prompt.
-    "answer-math": "You are good at math. Give only the final answer, written as #### followed by the number. "
-    "Do not explain.",
+    "answer-math": "You are good at math. " + _ANSWER,
     # "answer" plus one sentence after it: 35 shared tokens (one block), and untrained the same accuracy and
     # completion length as "answer" (docs/benchmarks/prompt_probe_block.md).
-    "answer-once": "Give only the final answer, written as #### followed by the number. Do not explain. "
-    "Write the answer line once, then stop.",
+    "answer-once": _ANSWER + " Write the answer line once, then stop.",
 }
 # Styles whose prompt also starts the assistant's turn: the model continues after this text (TRL's chat
 # helper continues a final assistant message), so a "direct" completion is just the number.
