@@ -304,7 +304,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             )
     train_log = [
         {k: e[k] for k in ("step", "reward", "rewards/gsm8k_format_reward/mean", "completions/mean_length",
-                           "dart/solved_by_none") if k in e}
+                           "dart/frac_solved_by_none", "dart/frac_solved_by_all", "dart/buffer_size") if k in e}
         for e in history if "reward" in e
     ]  # fmt: skip
     del trainer
