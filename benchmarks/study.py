@@ -211,6 +211,7 @@ PAIRS = [
     ("demo", "old-quickstart"),  # the demo before and after the study
     ("demo", "demo-es"),  # DART-ES against plain ES at the demo's settings
     ("demo-attn", "demo"),  # attention projections only against every linear weight
+    ("demo-once-cache", "demo"),  # the one-block prompt with vLLM's prefix cache against the demo
 ]
 
 
