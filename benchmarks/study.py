@@ -203,6 +203,16 @@ VARIANTS["demo-once-cache"] = {
 # carry over to the held-out level-3 problems?
 VARIANTS["demo-l12"] = {**VARIANTS["demo"], "train_levels": [1, 2]}
 VARIANTS["demo-l1"] = {**VARIANTS["demo"], "train_levels": [1]}
+# Partial credit for a final answer near the reference (benchmarks/closeness_reward.py) at 0.3 beside correctness
+# 1.0 and format 0.1: unlike gsm8k_step_reward it needs no worked solution, and it ranks members on the half of
+# each batch that no member solves by how far off their answers are.
+VARIANTS["demo-close"] = {
+    **VARIANTS["demo"],
+    "reward_funcs": [
+        "gsm8k_accuracy_reward", "gsm8k_format_reward", "benchmarks.closeness_reward.gsm8k_closeness_reward",
+    ],
+    "reward_weights": [1.0, 0.1, 0.3],
+}  # fmt: skip
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),
@@ -276,6 +286,15 @@ def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tu
     return script_args, cfg, model_args, style, budget
 
 
+def train_split(name: str, dataset_name: str, style: str):
+    """The variant's train set: the task's train split in `style`, restricted to its `train_levels` if set."""
+    from trl_dart_es.tasks import load_task_dataset
+
+    levels = VARIANTS[name].get("train_levels")
+    options = {"levels": tuple(levels)} if levels else {}
+    return load_task_dataset(dataset_name, "train", prompt_style=style, **options)
+
+
 def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train one (variant, seed) run; return its held-out accuracy curve against steps and train seconds."""
     from trl_dart_es import DartESTrainer
@@ -285,13 +304,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
         script_args, cfg, model_args, style, budget = variant_config(name, seed, out, eval_every(name, args))
-        levels = VARIANTS[name].get("train_levels")
-        train = load_task_dataset(
-            script_args.dataset_name,
-            "train",
-            prompt_style=style,
-            **({"levels": tuple(levels)} if levels else {}),
-        )
+        train = train_split(name, script_args.dataset_name, style)
         held_out = load_task_dataset(
             script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts
         )

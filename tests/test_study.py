@@ -30,7 +30,14 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
         name, seed=3, output_dir=str(tmp_path), eval_every=10
     )
     for key, value in overrides.items():
-        if key not in ("prompt_style", "budget_minutes", "max_steps", "reward_funcs", "eval_every"):
+        if key not in (
+            "prompt_style",
+            "budget_minutes",
+            "max_steps",
+            "reward_funcs",
+            "eval_every",
+            "train_levels",
+        ):
             if isinstance(getattr(cfg, key), dict) and isinstance(value, str):  # a dict field given as JSON
                 value = json.loads(value)
             assert getattr(cfg, key) == value, key
@@ -136,3 +143,20 @@ def test_a_variant_may_set_its_own_eval_interval(tmp_path):
     assert cfg.eval_steps == every
     # A rerun at another interval is another run.
     assert study._settings("demo-long", args)["eval_every"] == every
+
+
+def test_a_variant_may_train_on_some_levels_only():
+    # The train set keeps only the variant's levels (the held-out set is the study's, all levels).
+    levels = study.VARIANTS["demo-l12"]["train_levels"]
+    train = study.train_split("demo-l12", "embedded:gsm8k", "answer")
+    assert sorted(set(train["level"])) == sorted(levels) and len(train) > 0
+    assert sorted(set(study.train_split("demo", "embedded:gsm8k", "answer")["level"])) == [1, 2, 3]
+
+
+def test_the_closeness_reward_scores_distance_to_the_answer():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.closeness_reward import gsm8k_closeness_reward as closeness
+
+    scores = closeness(["#### 10", "#### 20", "so 15", "no number", "#### 3"], ["10", "10", "10", "10", "x"])
+    assert scores[0] == 1.0 and scores[1] == pytest.approx(0.5) and scores[3] == 0.0 and scores[4] is None
+    assert scores[1] < scores[2] < scores[0]  # nearer is better, by the last number when there is no ####
