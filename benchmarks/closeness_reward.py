@@ -10,22 +10,15 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from trl_dart_es.rewards.gsm8k import completion_text, extract_final_number, normalize_number
+from trl_dart_es.rewards.gsm8k import score_final_numbers
 
 
 def gsm8k_closeness_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float | None]:
     """1 / (1 + |final - answer| / max(1, |answer|)): 1.0 when right, 0.5 at a relative error of 1; 0.0 without
     a number; None when the reference is not a number. Same final-number rule as `gsm8k_accuracy_reward`."""
-    scores: list[float | None] = []
-    for completion, ref in zip(completions, answer, strict=True):
-        gold = normalize_number(ref)
-        if gold is None:
-            scores.append(None)
-            continue
-        pred = extract_final_number(completion_text(completion))
-        if pred is None:
-            scores.append(0.0)
-            continue
-        g, p = Decimal(gold), Decimal(pred)
-        scores.append(float(1 / (1 + abs(p - g) / max(Decimal(1), abs(g)))))
-    return scores
+
+    def closeness(predicted: str, gold: str) -> float:
+        p, g = Decimal(predicted), Decimal(gold)
+        return float(1 / (1 + abs(p - g) / max(Decimal(1), abs(g))))
+
+    return score_final_numbers(completions, answer, closeness)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -81,6 +82,14 @@ def gsm8k_accuracy_reward(completions: list[Any], answer: list[str], **kwargs: A
     all scores 0.0. Numbers compare by value: "18", "18.0" and "$18" all match 18, and "1,800" matches 1800.
     A reference answer that is not a number gives None, which TRL skips.
     """
+    return score_final_numbers(completions, answer, lambda predicted, gold: float(predicted == gold))
+
+
+def score_final_numbers(
+    completions: list[Any], answer: list[str], score: Callable[[str, str], float]
+) -> list[float | None]:
+    """`score(final, reference)` per completion, both normalised numbers (see `extract_final_number`): None
+    where the reference is not a number (TRL skips it), 0.0 where the completion has no number."""
     rewards: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
         gold_value = normalize_number(gold)
@@ -88,7 +97,7 @@ def gsm8k_accuracy_reward(completions: list[Any], answer: list[str], **kwargs: A
             rewards.append(None)
             continue
         predicted = extract_final_number(completion_text(completion))
-        rewards.append(1.0 if predicted == gold_value else 0.0)
+        rewards.append(0.0 if predicted is None else score(predicted, gold_value))
     return rewards
 
 
