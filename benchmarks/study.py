@@ -203,6 +203,11 @@ VARIANTS["demo-once-cache"] = {
 # carry over to the held-out level-3 problems?
 VARIANTS["demo-l12"] = {**VARIANTS["demo"], "train_levels": [1, 2]}
 VARIANTS["demo-l1"] = {**VARIANTS["demo"], "train_levels": [1]}
+# DART-ES's two parts one at a time (demo-es turns both off): which of them carries the demo's gain over plain ES?
+VARIANTS["demo-noweights"] = {**VARIANTS["demo"], "use_difficulty_reweighting": False}
+VARIANTS["demo-noreplay"] = {**VARIANTS["demo"], "use_targeted_replay": False}
+# Half the problems per member for twice the steps (the demo's 2,304 rollouts): the N x B axis at the demo's N = 4.
+VARIANTS["demo-n4b16"] = {**VARIANTS["demo"], "per_device_train_batch_size": 16, "max_steps": 36}
 # Partial credit for a final answer near the reference (benchmarks/closeness_reward.py) at 0.3 beside correctness
 # 1.0 and format 0.1: unlike gsm8k_step_reward it needs no worked solution, and it ranks members on the half of
 # each batch that no member solves by how far off their answers are.
@@ -222,6 +227,7 @@ PAIRS = [
     ("demo", "demo-es"),  # DART-ES against plain ES at the demo's settings
     ("demo-attn", "demo"),  # attention projections only against every linear weight
     ("demo-once-cache", "demo"),  # the one-block prompt with vLLM's prefix cache against the demo
+    ("demo-l1", "demo"),  # training on level-1 problems only against all three levels
 ]
 
 
