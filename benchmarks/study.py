@@ -228,6 +228,8 @@ PAIRS = [
     ("demo-attn", "demo"),  # attention projections only against every linear weight
     ("demo-once-cache", "demo"),  # the one-block prompt with vLLM's prefix cache against the demo
     ("demo-l1", "demo"),  # training on level-1 problems only against all three levels
+    ("demo", "demo-noweights"),  # DART-ES against DART-ES without difficulty reweighting
+    ("demo", "demo-noreplay"),  # DART-ES against DART-ES without targeted replay
 ]
 
 
