@@ -218,6 +218,10 @@ VARIANTS["demo-close"] = {
     ],
     "reward_weights": [1.0, 0.1, 0.3],
 }  # fmt: skip
+# Centred fitness over the run's mean fitness std instead of each step's own std: with N = 4 a per-step z-score
+# gives every step the same length, whether the members differ by one problem or by ten; this keeps the
+# differences' size, so steps with little signal move less (the first step is the demo's exactly).
+VARIANTS["demo-runz"] = {**VARIANTS["demo"], "fitness_shaping": "running-zscore"}
 # (method, its twin): paired by seed in the report.
 PAIRS = [
     ("vl-answer64-n16b8-anti", "vl-answer64-n16b8-anti-es"),

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = ["FITNESS_SHAPING", "dart_fitness", "shape_fitness", "solved_matrix"]
 
-FITNESS_SHAPING = ("zscore", "rank")
+FITNESS_SHAPING = ("zscore", "rank", "running-zscore")
 
 
 def dart_fitness(rewards, weights, reward_weights: Sequence[float], *, primary_index: int = 0) -> np.ndarray:
@@ -61,11 +62,14 @@ def dart_fitness(rewards, weights, reward_weights: Sequence[float], *, primary_i
     return beta @ mean
 
 
-def shape_fitness(fitness, method: str = "zscore") -> np.ndarray | None:
+def shape_fitness(fitness, method: str = "zscore", *, scale: float | None = None) -> np.ndarray | None:
     """Normalise fitness into the coefficients ``z`` of the ES update.
 
     * ``"zscore"`` (reference): ``(F - mean F) / (std F + 1e-8)`` with the population std (ddof 0).
     * ``"rank"``: centred ranks in [-0.5, 0.5], ties get their average rank.
+    * ``"running-zscore"``: ``(F - mean F) / (scale + 1e-8)``, with ``scale`` given by the caller (the
+      strategy passes the mean fitness std over the run's steps so far). Unlike a per-step z-score, a step
+      whose members differ by one problem moves the weights less than one where they differ by ten.
 
     Returns None when every fitness value is equal: there is no signal and the update should be skipped.
     """
@@ -78,6 +82,10 @@ def shape_fitness(fitness, method: str = "zscore") -> np.ndarray | None:
         raise ValueError(f"fitness must be finite, got {f.tolist()}")
     if np.all(f == f[0]):
         return None
+    if method == "running-zscore":
+        if scale is None or not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"running-zscore needs a finite scale >= 0, got {scale!r}")
+        return (f - f.mean()) / (scale + 1e-8)
     if method == "zscore":
         return (f - f.mean()) / (f.std() + 1e-8)
     return _average_ranks(f) / (f.size - 1) - 0.5

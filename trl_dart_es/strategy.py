@@ -68,7 +68,8 @@ class DartES:
         reward_weights: beta, one per reward function (K values).
         primary_index: the correctness reward; defines "solved" and gets the difficulty weights.
         solved_threshold: a member solves a problem when its primary reward is >= this.
-        fitness_shaping: "zscore" (reference) or "rank".
+        fitness_shaping: "zscore" (reference), "rank", or "running-zscore" (centred fitness over the mean
+            fitness std of the steps so far, this one included; see :func:`~trl_dart_es.fitness.shape_fitness`).
         use_difficulty_reweighting: off -> w = 1.
         use_targeted_replay: off -> no replay slots (R = 0).
         ema_decay, weight_floor, weight_exponent, replay_pass_threshold, zero_pass_patience: see
@@ -137,6 +138,9 @@ class DartES:
             use_replay=use_targeted_replay,
         )
         self.step = 0
+        # running-zscore: sum and count of the per-step fitness stds (steps with any signal)
+        self._fitness_std_sum = 0.0
+        self._fitness_std_count = 0
         self._pending: tuple[PlannedBatch, list[Member]] | None = None
         self._planner_before_pending: dict[str, Any] = {}
 
@@ -177,7 +181,7 @@ class DartES:
         difficulty_w = self.difficulty.update(batch.ids, solved)  # always tracked: it drives replay and logs
         weights = difficulty_w if self.use_difficulty_reweighting else np.ones(len(batch.ids))
         fitness = dart_fitness(r, weights, self.reward_weights, primary_index=self.primary_index)
-        z = shape_fitness(fitness, self.fitness_shaping)
+        z = self._shape(fitness)
 
         metrics = {
             "dart/pass_rate_mean": float(pass_rate.mean()),
@@ -198,6 +202,17 @@ class DartES:
             z=z, weights=weights, fitness=fitness, solved=solved, pass_rate=pass_rate, metrics=metrics
         )
 
+    def _shape(self, fitness: np.ndarray) -> np.ndarray | None:
+        if self.fitness_shaping != "running-zscore":
+            return shape_fitness(fitness, self.fitness_shaping)
+        std = float(fitness.std())
+        if std == 0.0:
+            return None  # no signal: skipped, and not counted in the scale
+        self._fitness_std_sum += std
+        self._fitness_std_count += 1
+        scale = self._fitness_std_sum / self._fitness_std_count
+        return shape_fitness(fitness, "running-zscore", scale=scale)
+
     # -------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state of the whole strategy (step, difficulty state, planner).
@@ -213,6 +228,7 @@ class DartES:
             "config": self._config(),
             "difficulty": self.difficulty.state_dict(),
             "planner": planner,
+            "fitness_std": [self._fitness_std_sum, self._fitness_std_count],
         }
 
     def _config(self) -> dict[str, Any]:
@@ -232,6 +248,10 @@ class DartES:
         self.difficulty.load_state_dict(state["difficulty"])
         self.planner.load_state_dict(state["planner"])
         self.step = int(state["step"])
+        std_sum, std_count = state.get(
+            "fitness_std", (0.0, 0)
+        )  # absent in states saved before running-zscore
+        self._fitness_std_sum, self._fitness_std_count = float(std_sum), int(std_count)
         self._pending = None
         if self.planner.step != self.step:
             raise ValueError(

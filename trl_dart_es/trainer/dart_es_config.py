@@ -13,11 +13,11 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..distributed import check_not_sharded
+from ..fitness import FITNESS_SHAPING as _SHAPINGS
 
 _PERTURBATIONS = ("full", "lowrank")
 _LOWRANK_TARGETS = ("auto", "all", "lora")
 _VLLM_LORA_KERNELS = ("grouped", "vllm")
-_SHAPINGS = ("zscore", "rank")
 _VLLM_MODES = ("colocate",)
 _NOISE_CACHE = ("auto", "on", "off")
 
@@ -132,7 +132,11 @@ class DartESConfig(TrainingArguments):
         metadata={"help": "Mirrored sampling: members in ± pairs (population_size must be even)."},
     )
     fitness_shaping: str = field(
-        default="zscore", metadata={"help": "'zscore' (reference) or 'rank' (centred ranks)."}
+        default="zscore",
+        metadata={
+            "help": "'zscore' (reference), 'rank' (centred ranks) or 'running-zscore' (centred fitness over the "
+            "mean fitness std of the run's steps so far: steps with small fitness differences move less)."
+        },
     )
     perturbation: str = field(
         default="full",
