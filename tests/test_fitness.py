@@ -60,10 +60,21 @@ def test_rank_shaping_average_ties():
     np.testing.assert_allclose(shape_fitness([3.0, 1.0], "rank"), [0.5, -0.5])
 
 
-@pytest.mark.parametrize("method", ["zscore", "rank"])
+@pytest.mark.parametrize("method", ["zscore", "rank", "running-zscore"])
 def test_no_signal_returns_none(method):
-    assert shape_fitness([0.7, 0.7, 0.7], method) is None
-    assert shape_fitness([0.7], method) is None
+    assert shape_fitness([0.7, 0.7, 0.7], method, scale=1.0) is None
+    assert shape_fitness([0.7], method, scale=1.0) is None
+
+
+def test_running_zscore_keeps_the_size_of_the_differences():
+    f = np.array([0.1, 0.3, 0.2, 0.6])
+    # with the step's own std as the scale it is the z-score; with a larger scale the same ranks, shorter
+    np.testing.assert_allclose(shape_fitness(f, "running-zscore", scale=f.std()), shape_fitness(f), atol=1e-7)
+    z = shape_fitness(f, "running-zscore", scale=4 * f.std())
+    np.testing.assert_allclose(z * 4, shape_fitness(f), atol=1e-6)
+    for bad in (None, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            shape_fitness(f, "running-zscore", scale=bad)
 
 
 def test_shape_validation():

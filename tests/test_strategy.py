@@ -171,6 +171,35 @@ def test_state_dict_resume_is_exact():
     assert run(resumed, 5, seed=1) == expected
 
 
+def test_running_zscore_scales_by_the_mean_std_so_far_and_resumes():
+    ids = [f"q{i}" for i in range(40)]
+    kwargs = dict(population_size=4, batch_size=8, seed=1, fitness_shaping="running-zscore")
+    strategy = DartES(ids, use_difficulty_reweighting=False, **kwargs)
+    small = np.zeros((1, 4, 8))
+    small[0, 0, 0] = 1.0  # one member solves one problem: a weak signal
+    large = np.zeros((1, 4, 8))
+    large[0, 1, :] = 1.0  # one member solves all eight
+    batch, _ = strategy.ask()
+    first = strategy.tell(batch, large)
+    assert np.linalg.norm(first.z) == pytest.approx(2.0)  # the first step is a plain z-score: |z| = sqrt(N)
+    batch, _ = strategy.ask()
+    second = strategy.tell(batch, small)
+    # a per-step z-score would give this weak step the first one's length; here it is divided by the mean std
+    std_small, std_large = second.fitness.std(), first.fitness.std()
+    np.testing.assert_allclose(
+        second.z, (second.fitness - second.fitness.mean()) / ((std_small + std_large) / 2)
+    )
+    assert np.linalg.norm(second.z) < 0.5
+
+    saved = json.loads(json.dumps(strategy.state_dict()))
+    resumed = DartES(ids, use_difficulty_reweighting=False, **kwargs)
+    resumed.load_state_dict(saved)
+    for s in (strategy, resumed):
+        batch, _ = s.ask()
+        s._last = s.tell(batch, large).z
+    np.testing.assert_array_equal(strategy._last, resumed._last)
+
+
 @pytest.mark.parametrize("module", ["noise", "perturb", "difficulty", "replay", "fitness", "strategy"])
 def test_core_modules_import_no_model_or_trainer_code(module):
     import ast
