@@ -215,7 +215,7 @@ class DartES:
 
     # -------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state of the whole strategy (step, difficulty state, planner).
+        """JSON-serialisable state of the whole strategy (step, difficulty state, planner, fitness stds).
 
         A step that was asked but not told is not part of the state: after a resume it is planned again.
         """
@@ -248,9 +248,8 @@ class DartES:
         self.difficulty.load_state_dict(state["difficulty"])
         self.planner.load_state_dict(state["planner"])
         self.step = int(state["step"])
-        std_sum, std_count = state.get(
-            "fitness_std", (0.0, 0)
-        )  # absent in states saved before running-zscore
+        # "fitness_std" is absent from states saved before running-zscore existed
+        std_sum, std_count = state.get("fitness_std", (0.0, 0))
         self._fitness_std_sum, self._fitness_std_count = float(std_sum), int(std_count)
         self._pending = None
         if self.planner.step != self.step:
