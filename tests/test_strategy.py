@@ -1,5 +1,6 @@
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -215,3 +216,15 @@ def test_core_modules_import_no_model_or_trainer_code(module):
     allowed |= {"warnings", "collections", "concurrent", "numpy", "torch"}
     allowed |= {".noise", ".difficulty", ".fitness", ".replay"}
     assert imported <= allowed, imported - allowed
+
+
+def test_resume_warns_on_a_changed_config_but_not_on_keys_an_older_state_lacks():
+    ids = [f"q{i}" for i in range(20)]
+    saved = DartES(ids, population_size=4, batch_size=4, fitness_shaping="rank").state_dict()
+    with pytest.warns(UserWarning, match=r"fitness_shaping.*'rank', 'zscore'"):
+        DartES(ids, population_size=4, batch_size=4).load_state_dict(saved)
+
+    del saved["config"]["fitness_shaping"]  # as saved before the key existed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DartES(ids, population_size=4, batch_size=4).load_state_dict(saved)

@@ -238,12 +238,18 @@ class DartES:
             "seed": self.seed,
             "use_difficulty_reweighting": self.use_difficulty_reweighting,
             "use_targeted_replay": self.use_targeted_replay,
+            "fitness_shaping": self.fitness_shaping,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("config") and state["config"] != self._config():
+        # Keys a state saved by an older version lacks are not a mismatch.
+        saved, current = state.get("config") or {}, self._config()
+        changed = {
+            key: (saved[key], value) for key, value in current.items() if key in saved and saved[key] != value
+        }
+        if changed:
             warnings.warn(
-                f"resuming a DART-ES state saved with {state['config']} under {self._config()}", stacklevel=2
+                f"resuming a DART-ES state under a different config (saved, now): {changed}", stacklevel=2
             )
         self.difficulty.load_state_dict(state["difficulty"])
         self.planner.load_state_dict(state["planner"])
