@@ -228,3 +228,12 @@ def test_resume_warns_on_a_changed_config_but_not_on_keys_an_older_state_lacks()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DartES(ids, population_size=4, batch_size=4).load_state_dict(saved)
+
+
+def test_running_zscore_rejects_non_finite_fitness_without_touching_its_scale():
+    ids = [f"q{i}" for i in range(20)]
+    strategy = DartES(ids, population_size=4, batch_size=4, fitness_shaping="running-zscore")
+    before = strategy.state_dict()["fitness_std"]
+    with pytest.raises(ValueError, match="finite"):
+        strategy._shape(np.array([0.1, np.nan, 0.2, 0.3]))
+    assert strategy.state_dict()["fitness_std"] == before

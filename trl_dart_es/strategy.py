@@ -206,12 +206,14 @@ class DartES:
         if self.fitness_shaping != "running-zscore":
             return shape_fitness(fitness, self.fitness_shaping)
         std = float(fitness.std())
-        if std == 0.0:
-            return None  # no signal: skipped, and not counted in the scale
-        self._fitness_std_sum += std
-        self._fitness_std_count += 1
-        scale = self._fitness_std_sum / self._fitness_std_count
-        return shape_fitness(fitness, "running-zscore", scale=scale)
+        scale = (self._fitness_std_sum + std) / (self._fitness_std_count + 1)  # this step included
+        z = shape_fitness(fitness, "running-zscore", scale=scale)
+        # Counted only once shape_fitness accepted it: a step with no signal (z None) is skipped and left out of
+        # the scale, and non-finite fitness raises before it can enter the saved state.
+        if z is not None:
+            self._fitness_std_sum += std
+            self._fitness_std_count += 1
+        return z
 
     # -------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
