@@ -43,13 +43,12 @@ def worker(config: str, steps: int, out: Path) -> None:
     import numpy as np
     import torch
     from transformers import TrainerCallback
-    from trl import ModelConfig, ScriptArguments, TrlParser
+    from trl import ModelConfig, TrlParser
 
     from trl_dart_es import DartESConfig, DartESTrainer
-    from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
-    from trl_dart_es.tasks import load_task_dataset
+    from trl_dart_es.tasks.arguments import TaskArguments
 
-    parser = TrlParser((ScriptArguments, DartESConfig, ModelConfig))
+    parser = TrlParser((TaskArguments, DartESConfig, ModelConfig))
     script_args, args, model_args = parser.parse_args_and_config(
         [
             "--config",
@@ -63,10 +62,10 @@ def worker(config: str, steps: int, out: Path) -> None:
         ]
     )
     args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(args.model_init_kwargs or {})}
-    train = load_task_dataset(script_args.dataset_name, script_args.dataset_train_split)
+    train = script_args.load_split(script_args.dataset_train_split)
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=[gsm8k_accuracy_reward, gsm8k_format_reward],
+        reward_funcs=script_args.load_reward_funcs(),
         args=args,
         train_dataset=train,
     )
