@@ -114,6 +114,27 @@ def test_markdown_table_and_relative_numbers():
     assert "RuntimeError: out of memory" in md
 
 
+def test_throughput_section_only_where_a_row_is_compared_with_its_inference_row():
+    inference = _row("inference", time_s=1.0, mem=1.0, tokens_per_s=100.0, peak_mem_mb_max_process=1.0)
+    vllm = _row("inference-vllm", time_s=1.0, mem=1.0, tokens_per_s=200.0, peak_mem_mb_max_process=1.0)
+    lowrank = _row(
+        "dart-es-lowrank",
+        time_s=1.0,
+        mem=1.0,
+        tokens_per_s=80.0,
+        generation_tokens_per_s=90.0,
+        peak_mem_mb_max_process=1.0,
+    )
+    md = bench.render_markdown([inference, vllm, lowrank], bench.SHORT)
+    assert (
+        "(100.0 tokens/s, the `inference` row):\n\n- `dart-es-lowrank`: whole ES step 80%, generation phase only 90%."
+        in md
+    )
+    assert "the `inference-vllm` row" not in md  # no vLLM ES row: no header without lines under it
+    md = bench.render_markdown([inference, vllm], bench.SHORT)
+    assert "Rollout throughput against" not in md
+
+
 def test_merge_keeps_only_rows_measured_on_the_same_workload():
     old = [
         _row("dart-es", time_s=1.0, mem=1.0),

@@ -114,20 +114,21 @@ def _throughput_lines(rows: Sequence[dict]) -> list[str]:
         if reference not in ok:
             continue
         ceiling = ok[reference]["tokens_per_s"]
-        lines += [
-            "",
-            f"Rollout throughput against pure batched inference ({ceiling:.1f} tokens/s, the `{reference}` row):",
-            "",
+        items = [
+            f"- `{name}`: whole ES step {r['tokens_per_s'] / ceiling:.0%}, generation phase only "
+            f"{r['generation_tokens_per_s'] / ceiling:.0%}."
+            for name, r in ok.items()
+            if not name.startswith("inference")
+            and r.get("generation_tokens_per_s") is not None
+            and ("vllm" in name) == is_vllm
         ]
-        for name, r in ok.items():
-            if name.startswith("inference") or r.get("generation_tokens_per_s") is None:
-                continue
-            if ("vllm" in name) != is_vllm:
-                continue
-            lines.append(
-                f"- `{name}`: whole ES step {r['tokens_per_s'] / ceiling:.0%}, generation phase only "
-                f"{r['generation_tokens_per_s'] / ceiling:.0%}."
-            )
+        if items:  # an inference row alone has nothing to compare with it
+            lines += [
+                "",
+                f"Rollout throughput against pure batched inference ({ceiling:.1f} tokens/s, the `{reference}` row):",
+                "",
+                *items,
+            ]
     return lines
 
 
