@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,12 @@ def _train_clock(budget_s: float | None = None):
     return Clock()
 
 
+def _machines(runs: list[dict]) -> str:
+    """The CPUs the runs came from, with their counts: one study spans several machines of this kind."""
+    counts = Counter(r["machine"].split(",")[0] for r in runs)
+    return ", ".join(f"{cpu} ({n} runs)" for cpu, n in counts.most_common())
+
+
 def variant_config(name: str, seed: int, output_dir: str, eval_every: int) -> tuple:
     """``(script_args, DartESConfig, model_args, prompt_style, budget_minutes)`` of one (variant, seed) run:
     quickstart_fullrank.yaml with the variant's overrides; a budget replaces the step count (the clock stops
@@ -419,9 +426,9 @@ def report(args: argparse.Namespace) -> None:
         "",
         f"Held-out: greedy accuracy on {args.eval_prompts} test prompts (one prompt = "
         f"{100 / args.eval_prompts:.2f} points). Command: `python benchmarks/study.py --variants ... --seeds ...`;"
-        f" runs in `docs/benchmarks/study_runs/`. Machine: {runs[0]['machine']}; last run "
-        f"{max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured while other jobs"
-        " shared the 2 cores, so compare them only roughly.",
+        f" runs in `docs/benchmarks/study_runs/`. Machines (each run's file names its own): {_machines(runs)};"
+        f" last run {max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured on machines"
+        " of different speed, some while other jobs shared the 2 cores, so compare them only roughly.",
         "",
         "| variant | seeds | rollouts | acc. step 0 | final (mean) | gain (mean) | gain 95% CI | gains per seed | train min |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
