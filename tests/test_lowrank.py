@@ -348,6 +348,36 @@ def test_fp32_master_keeps_updates_below_bf16_resolution_and_round_trips():
         other.load_master_state_dict({})
 
 
+def _master_bytes(params) -> int:
+    return sum(b.numel() * b.element_size() for b in params._mat_base if b is not None)
+
+
+def test_fp32_matrices_get_a_master_copy_only_when_a_member_is_materialised():
+    """The batched and vLLM rollouts never materialise a member: an fp32 model then holds no second copy of its
+    matrices, and its updates are bitwise those of a run that made the copy (perturb + restore) first."""
+    lazy_model, eager_model = tiny(True), tiny(True)
+    lazy, eager = LowRankParameters(lazy_model, 0.05, rank=2), LowRankParameters(eager_model, 0.05, rank=2)
+    assert _master_bytes(lazy) == 0
+    with eager.perturbed(Member(9)):
+        pass
+    assert _master_bytes(eager) == 4 * sum(p.numel() for p in eager._mats)
+    for step in range(3):
+        members = members_of(4, antithetic=True, step_seed=step)
+        assert lazy.update(members, [1.0, -0.5, 0.25, 2.0], 1e-2) == eager.update(
+            members, [1.0, -0.5, 0.25, 2.0], 1e-2
+        )
+    assert _master_bytes(lazy) == 0
+    for (n, a), b in zip(lazy_model.named_parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(a, b), n
+    before = snapshot(lazy_model)  # the first materialised member makes the copy, and restore is still exact
+    with lazy.perturbed(Member(5, -1)):
+        assert not torch.equal(lazy_model.model.embed_tokens.weight, before["model.embed_tokens.weight"])
+    assert _master_bytes(lazy) == _master_bytes(eager)
+    for n, p in lazy_model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert all(b is not None for b in LowRankParameters(tiny(False, dtype=torch.bfloat16), 0.05)._mat_base)
+
+
 # ------------------------------------------------------------------------------------------ trainer
 def _lowrank_trainer(out, tokenizer, **kw):
     model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)

@@ -22,7 +22,9 @@ batched matmul per layer, whatever the population size. No copy of the weights i
 
 The update ``theta += (lr/N) sum_n z_n sign_n A_n B_n^T / sqrt(r)`` is one matmul per matrix on the stacked
 factors, ``(A diag(c)) B^T``, accumulated in float32 into an fp32 master copy (``exact_restore=True``), so
-restore after :meth:`LowRankParameters.perturb` is bitwise exact and 16-bit models keep small updates.
+restore after :meth:`LowRankParameters.perturb` is bitwise exact and 16-bit models keep small updates. An fp32
+matrix gets its master copy only when a member is first materialised: the batched and vLLM rollouts never do,
+and until then the matrix itself is its exact master (saves one fp32 copy of the evolved weights).
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class LowRankParameters(MemberState):
             get low-rank noise, all others full-rank noise.
         sigma: noise scale.
         rank: rank ``r`` of the matrix perturbations.
-        exact_restore: keep an fp32 master copy: bitwise restore after :meth:`perturb`, fp32 updates. False
-            adds and subtracts in place in the parameter dtype (the paper's reference behaviour).
+        exact_restore: keep an fp32 master copy: bitwise restore after :meth:`perturb`, fp32 updates (an fp32
+            matrix is copied only at the first :meth:`perturb`). False adds and subtracts in place in the
+            parameter dtype (the paper's reference behaviour).
         cache_noise: cache the full-rank noise of the non-matrix parameters between evaluation and update (see
             EvolvedParameters). The low-rank factors are always cached until the update: they are small,
             ``4 * r * sum(m + n)`` bytes per member.
@@ -113,8 +116,11 @@ class LowRankParameters(MemberState):
         vecs = [(n, p) for n, p in named if p.dim() != 2]
         self._mat_names = [n for n, _ in mats]
         self._mats = [p for _, p in mats]
-        self._mat_base = (
-            [p.detach().to(torch.float32, copy=True) for p in self._mats] if exact_restore else None
+        # fp32 matrices: None until the first perturb() (the unperturbed matrix is its own exact master).
+        self._mat_base: list[torch.Tensor | None] | None = (
+            [None if p.dtype == torch.float32 else p.detach().to(torch.float32) for p in self._mats]
+            if exact_restore
+            else None
         )
         self._vec_names = [n for n, _ in vecs]
         self._vectors = (
@@ -175,6 +181,14 @@ class LowRankParameters(MemberState):
         m = self._mats[i].shape[0]
         return (x[:, :m].T * coef) @ x[:, m:]
 
+    def _masters(self) -> list[torch.Tensor]:
+        """Every matrix's fp32 master, copying the fp32 matrices that have none yet (they must be unperturbed)."""
+        assert self._mat_base is not None
+        for i, p in enumerate(self._mats):
+            if self._mat_base[i] is None:
+                self._mat_base[i] = p.detach().clone()
+        return self._mat_base  # type: ignore[return-value]
+
     # ------------------------------------------------------------------------------------------ public API
     def perturb(self, member: Member) -> None:
         """Materialise ``theta + sign * sigma * eps(member)`` in the model's weights.
@@ -189,14 +203,15 @@ class LowRankParameters(MemberState):
         if not self.exact_restore and self._current is not None:
             self.restore()
         coef = member.sign * self.sigma / math.sqrt(self.rank)
+        bases = self._masters() if self.exact_restore else None  # before any weight moves
         self._current = member  # first: if interrupted, restore() still knows the weights may be dirty
         for i, p in enumerate(self._mats):
             delta = self._delta(i, member.seed, coef)
-            if self.exact_restore:
+            if bases is not None:
                 if p.dtype == torch.float32:
-                    torch.add(self._mat_base[i], delta, out=p.data)
+                    torch.add(bases[i], delta, out=p.data)
                 else:
-                    p.data.copy_(self._mat_base[i] + delta)
+                    p.data.copy_(bases[i] + delta)
             else:
                 p.data.add_(delta.to(p.dtype))
                 self._applied.add(i)
@@ -209,7 +224,7 @@ class LowRankParameters(MemberState):
             return
         member = self._current
         if self.exact_restore:
-            for p, b in zip(self._mats, self._mat_base, strict=True):
+            for p, b in zip(self._mats, self._masters(), strict=True):  # all exist: perturb() made them
                 p.data.copy_(b)
         else:
             coef = member.sign * self.sigma / math.sqrt(self.rank)
@@ -247,11 +262,12 @@ class LowRankParameters(MemberState):
                         stop = min(start + rows, m)
                         delta = a[:, start:stop].T @ b  # one matmul, float32
                         sq += float(torch.dot(delta.view(-1), delta.view(-1)))
-                        if self.exact_restore:
-                            base = self._mat_base[i][start:stop]
+                        master = self._mat_base[i] if self.exact_restore else None
+                        if master is not None:
+                            base = master[start:stop]
                             base.add_(delta)
                             p.data[start:stop].copy_(base)
-                        else:
+                        else:  # reference mode, or an fp32 matrix never perturbed (the same bits as a master)
                             p.data[start:stop].add_(delta.to(p.dtype))
             if self._vectors is not None:
                 sq += self._vectors.update(members, z, lr) ** 2
@@ -269,7 +285,8 @@ class LowRankParameters(MemberState):
         """Re-read the base point from the model's current weights (e.g. after loading a checkpoint)."""
         if self.exact_restore:
             for p, b in zip(self._mats, self._mat_base, strict=True):
-                b.copy_(p.detach())
+                if b is not None:
+                    b.copy_(p.detach())
         self._current = None
         self._applied.clear()
         if self._vectors is not None:
@@ -281,7 +298,7 @@ class LowRankParameters(MemberState):
         params = self._mats + (self._vectors._params if self._vectors is not None else [])
         if not self.exact_restore or all(p.dtype == torch.float32 for p in params):
             return {}
-        state = {n: b.detach().cpu() for n, b in zip(self._mat_names, self._mat_base, strict=True)}
+        state = {n: b.detach().cpu() for n, b in zip(self._mat_names, self._masters(), strict=True)}
         if self._vectors is not None:
             vec = self._vectors.master_state_dict()
             if not vec:  # the full-rank part is all fp32: its values are its master
@@ -298,7 +315,7 @@ class LowRankParameters(MemberState):
             raise RuntimeError("load_master_state_dict needs exact_restore=True")
         check_master_names(self._names, state)
         self.restore()
-        load_master_into(self._mat_names, self._mats, self._mat_base, state)
+        load_master_into(self._mat_names, self._mats, self._masters(), state)
         if self._vectors is not None:
             self._vectors.load_master_state_dict({n: state[n] for n in self._vec_names})
         self.clear_cache()

@@ -169,7 +169,9 @@ class DartESConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Keep fp32 master weights: restore is bitwise exact and updates accumulate in fp32 "
-            "(improvement). False: add/subtract noise in place in the model dtype, as the paper's code does."
+            "(improvement). With low rank, an fp32 model copies a matrix only when a member is first materialised "
+            "in the weights, which the batched and vLLM rollouts never do. False: add/subtract noise in place in "
+            "the model dtype, as the paper's code does."
         },
     )
     noise_cache: str = field(
