@@ -378,6 +378,26 @@ def test_fp32_matrices_get_a_master_copy_only_when_a_member_is_materialised():
     assert all(b is not None for b in LowRankParameters(tiny(False, dtype=torch.bfloat16), 0.05)._mat_base)
 
 
+def test_mixed_precision_master_weights_round_trip_without_copying_the_fp32_matrices():
+    """fp32 matrices beside a bf16 norm: the checkpoint's masters include the matrices as they are, and loading
+    them makes no copy either."""
+    model = tiny(False)
+    model.model.norm.to(torch.bfloat16)
+    params = LowRankParameters(model, 0.05)
+    params.update(members_of(2), [1.0, -1.0], 1e-2)
+    state = params.master_state_dict()
+    assert set(state) == set(params.names) and _master_bytes(params) == 0
+    for n in params.lowrank_names:
+        assert torch.equal(state[n], model.get_parameter(n)), n
+    other_model = tiny(False)
+    other_model.model.norm.to(torch.bfloat16)
+    other = LowRankParameters(other_model, 0.05)
+    other.load_master_state_dict(state)
+    assert _master_bytes(other) == 0
+    for (n, a), b in zip(other_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
 # ------------------------------------------------------------------------------------------ trainer
 def _lowrank_trainer(out, tokenizer, **kw):
     model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1)

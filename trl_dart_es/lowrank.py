@@ -189,6 +189,11 @@ class LowRankParameters(MemberState):
                 self._mat_base[i] = p.detach().clone()
         return self._mat_base  # type: ignore[return-value]
 
+    def _master_views(self) -> list[torch.Tensor]:
+        """Every matrix's fp32 master without making one: its copy, or the matrix itself when it has none."""
+        assert self._mat_base is not None
+        return [p.detach() if b is None else b for p, b in zip(self._mats, self._mat_base, strict=True)]
+
     # ------------------------------------------------------------------------------------------ public API
     def perturb(self, member: Member) -> None:
         """Materialise ``theta + sign * sigma * eps(member)`` in the model's weights.
@@ -224,7 +229,7 @@ class LowRankParameters(MemberState):
             return
         member = self._current
         if self.exact_restore:
-            for p, b in zip(self._mats, self._masters(), strict=True):  # all exist: perturb() made them
+            for p, b in zip(self._mats, self._mat_base, strict=True):  # all exist: perturb() made them
                 p.data.copy_(b)
         else:
             coef = member.sign * self.sigma / math.sqrt(self.rank)
@@ -258,11 +263,11 @@ class LowRankParameters(MemberState):
                     a = stacked[:, :m] * c.repeat_interleave(self.rank)[:, None]  # (A diag(c))^T: (G*r, m)
                     b = stacked[:, m:]  # B^T: (G*r, n)
                     rows = max(1, _UPDATE_BLOCK_ELEMENTS // max(1, p.shape[1]))
+                    master = self._mat_base[i] if self.exact_restore else None
                     for start in range(0, m, rows):
                         stop = min(start + rows, m)
                         delta = a[:, start:stop].T @ b  # one matmul, float32
                         sq += float(torch.dot(delta.view(-1), delta.view(-1)))
-                        master = self._mat_base[i] if self.exact_restore else None
                         if master is not None:
                             base = master[start:stop]
                             base.add_(delta)
@@ -298,7 +303,7 @@ class LowRankParameters(MemberState):
         params = self._mats + (self._vectors._params if self._vectors is not None else [])
         if not self.exact_restore or all(p.dtype == torch.float32 for p in params):
             return {}
-        state = {n: b.detach().cpu() for n, b in zip(self._mat_names, self._masters(), strict=True)}
+        state = {n: b.detach().cpu() for n, b in zip(self._mat_names, self._master_views(), strict=True)}
         if self._vectors is not None:
             vec = self._vectors.master_state_dict()
             if not vec:  # the full-rank part is all fp32: its values are its master
@@ -315,7 +320,7 @@ class LowRankParameters(MemberState):
             raise RuntimeError("load_master_state_dict needs exact_restore=True")
         check_master_names(self._names, state)
         self.restore()
-        load_master_into(self._mat_names, self._mats, self._masters(), state)
+        load_master_into(self._mat_names, self._mats, self._master_views(), state)
         if self._vectors is not None:
             self._vectors.load_master_state_dict({n: state[n] for n in self._vec_names})
         self.clear_cache()
