@@ -2,7 +2,7 @@
 
 `python benchmarks/study.py --variants demo-close` names it by import path (`benchmarks.closeness_reward.
 gsm8k_closeness_reward`), as a TRL user names a reward of their own. Not in `trl_dart_es.rewards`: the study
-found it does not help (docs/benchmarks.md), and a reward that pays wrong answers invites reward hacking.
+found it does not help (results/study.md, variant demo-close), and a reward that pays wrong answers invites reward hacking.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Everything here is what an ES step costs *besides* generation. Run once, on an otherwise idle machine if
 possible (the load average is recorded with the results):
 
-    .venv/bin/python benchmarks/es_bookkeeping.py            # writes docs/benchmarks/es_bookkeeping.{json,md}
+    .venv/bin/python benchmarks/es_bookkeeping.py            # writes results/es_bookkeeping.{json,md}
 
 The model comes from ``trl_dart_es.embedded.resolve_model_path("embedded:smollm2-135m")``; with
 ``--random-init`` (or when the embedded model is unavailable) a Llama of the same config is built with
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--random-init", action="store_true", help="build the model from its config")
     parser.add_argument("--population", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out-dir", default="docs/benchmarks")
+    parser.add_argument("--out-dir", default="results")
     parser.add_argument("--skip-numpy", action="store_true", help="skip the (slow) numpy alternatives")
     args = parser.parse_args()
 

@@ -14,7 +14,7 @@ Every row decodes exactly `max_new_tokens` tokens (EOS is suppressed with `min_n
 numbers count the same work. Run once, under the heavy-run lock, on an otherwise idle machine if possible:
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/lowrank_throughput.py
-    # writes docs/benchmarks/lowrank_throughput.{json,md}; ~3-5 minutes on 2 cores
+    # writes results/lowrank_throughput.{json,md}; ~3-5 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=shape["sigma"])
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--full-rank-members", type=int, default=2)
-    parser.add_argument("--output-dir", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--output-dir", default=str(ROOT / "results"))
     parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
     parser.add_argument("--render-only", action="store_true", help="re-render the .md from the saved .json")
     args = parser.parse_args()

@@ -8,7 +8,7 @@ completion that `max_completion_length=L` would produce: one generation measures
 and length: accuracy, format reward, the fraction of completions that hit the limit, and accuracy per
 difficulty level. Per prompt style also: its mean length in tokens (chat template included) and the
 seconds its one generation took, side by side in one run (on this CPU a prompt token costs about as much
-compute as a generated one, so a shorter prompt is a faster step). Writes docs/benchmarks/prompt_probe.{json,md}.
+compute as a generated one, so a shorter prompt is a faster step). Writes results/prompt_probe.{json,md}.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
         "--extra-style", action="append", default=[], metavar="NAME=TEXT",
         help="a system prompt to try besides the package's styles (repeatable); it is added to --styles",
     )  # fmt: skip
-    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "prompt_probe"))
+    parser.add_argument("--output", default=str(ROOT / "results" / "prompt_probe"))
     args = parser.parse_args()
     for spec in args.extra_style:  # registered for this run only: the package's styles are unchanged
         name, sep, text = spec.partition("=")

@@ -1,6 +1,6 @@
 """Step time of DartESTrainer with 1 process vs 2 processes on the same machine (population split).
 
-    flock /tmp/heavy.lock .venv/bin/python benchmarks/scaling.py      # writes docs/benchmarks/scaling.{json,md}
+    flock /tmp/heavy.lock .venv/bin/python benchmarks/scaling.py      # writes results/scaling.{json,md}
 
 Runs the quickstart (recipes/configs/quickstart_fullrank.yaml: embedded SmolLM2-135M, embedded GSM8K, N = 8, B = 16,
 64 new tokens) for `--steps` ES steps, twice:
@@ -255,7 +255,7 @@ def main() -> None:
     p.add_argument("--config", default="recipes/configs/quickstart_fullrank.yaml")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores to use in all")
-    p.add_argument("--output", default="docs/benchmarks/scaling", help="writes OUTPUT.json and OUTPUT.md")
+    p.add_argument("--output", default="results/scaling", help="writes OUTPUT.json and OUTPUT.md")
     p.add_argument("--markdown-only", action="store_true", help="rewrite OUTPUT.md from OUTPUT.json, no runs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -2,14 +2,14 @@
 
     python benchmarks/study.py --variants lr-answer32 --seeds 0      # screen one variant on one seed
     python benchmarks/study.py --variants lr-answer32 --seeds 0 1 2  # confirm (finished runs are skipped)
-    python benchmarks/study.py --report                              # redraw docs/benchmarks/study.{json,md,png}
+    python benchmarks/study.py --report                              # redraw results/study.{json,md,png}
 
 Every variant is the pre-study demo recipe (recipes/configs/quickstart_fullrank.yaml, kept fixed) with the
 overrides in `VARIANTS`, trained for the same number of rollouts (steps x N x B) unless the variant says
 otherwise. Held-out: greedy accuracy of the unperturbed model on `--eval-prompts` test prompts (disjoint from
 train), in the variant's prompt style and completion length, at step 0, every `--eval-every` steps and at the
 last step. `train_seconds` counts ES steps only, not evaluation. Each finished (variant, seed) is written to
-docs/benchmarks/study_runs/ at once, so an interrupted study loses at most the run in progress.
+results/study_runs/ at once, so an interrupted study loses at most the run in progress.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS_DIR = ROOT / "docs" / "benchmarks" / "study_runs"
+RUNS_DIR = ROOT / "results" / "study_runs"
 CONFIG = ROOT / "recipes" / "configs" / "quickstart_fullrank.yaml"
 
 # The settings the quickstart had before this study (full rank, N=8, B=16, 40 tokens, 8 steps).
@@ -198,7 +198,7 @@ VARIANTS["demo-once-cache"] = {
     "vllm_enable_prefix_caching": True,
 }
 # Train on the easier levels only (held out: all three, as always). Untrained, greedy, the embedded model solves
-# 33% of level-1, 15% of level-2 and ~0% of level-3 problems (docs/benchmarks/task_difficulty.md), and a problem
+# 33% of level-1, 15% of level-2 and ~0% of level-3 problems (results/task_difficulty.md), and a problem
 # that no member solves gives ES no signal: a quarter of the demo's rollouts are level 3, and DART-ES's replay
 # refills only a fifth of each batch. Does spending every rollout where members differ learn faster, and does it
 # carry over to the held-out level-3 problems?
@@ -417,7 +417,7 @@ def report(args: argparse.Namespace) -> None:
             "steps": statistics.fmean(r["points"][-1]["step"] for r in mine),
             "rollouts": mine[0]["points"][-1]["step"] * v["population_size"] * v["per_device_train_batch_size"],
         })  # fmt: skip
-    out = ROOT / "docs" / "benchmarks" / "study"
+    out = ROOT / "results" / "study"
     out.with_suffix(".json").write_text(
         json.dumps({"rows": rows, "pairs": _paired(runs), "runs": runs}, indent=1) + "\n"
     )
@@ -426,7 +426,7 @@ def report(args: argparse.Namespace) -> None:
         "",
         f"Held-out: greedy accuracy on {args.eval_prompts} test prompts (one prompt = "
         f"{100 / args.eval_prompts:.2f} points). Command: `python benchmarks/study.py --variants ... --seeds ...`;"
-        f" runs in `docs/benchmarks/study_runs/`. Machines (each run's file names its own): {_machines(runs)};"
+        f" runs in `results/study_runs/`. Machines (each run's file names its own): {_machines(runs)};"
         f" last run {max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured on machines"
         " of different speed, some while other jobs shared the 2 cores, so compare them only roughly.",
         "",

@@ -8,7 +8,7 @@ those it solves only sometimes ("near the boundary", where DART-ES's replay aims
     python benchmarks/task_difficulty.py                      # defaults below, ~10 min on 2 shared cores
     python benchmarks/task_difficulty.py --num-prompts 24 --members 0 --no-write   # quick look
 
-Writes docs/benchmarks/task_difficulty.json and docs/benchmarks/task_difficulty.md. Tasks without a `level`
+Writes results/task_difficulty.json and results/task_difficulty.md. Tasks without a `level`
 column (Countdown) are reported as one level, 0.
 """
 
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=3, help="perturbed copies to evaluate (0: base only)")
     parser.add_argument("--sigma", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--no-write", action="store_true", help="print only, do not write docs/benchmarks")
+    parser.add_argument("--no-write", action="store_true", help="print only, do not write results")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,7 +187,7 @@ def main() -> None:
     markdown = "\n".join(lines)
     print(markdown)
     if not args.no_write:
-        out = REPO / "docs" / "benchmarks"
+        out = REPO / "results"
         out.mkdir(parents=True, exist_ok=True)
         (out / "task_difficulty.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "task_difficulty.md").write_text(markdown)

@@ -6,7 +6,7 @@ The vLLM engines of this package start with `enforce_eager=True` on the CPU. Thi
 fresh process per mode (`eager`, `compiled`) starts a plain engine on the embedded model (fp32), then
 generates greedily the demo's rollouts (128 train prompts of the "answer" style, up to 64 tokens) three
 times, then once with `max_tokens=1` (the prompts' prefill and one token). Writes
-docs/benchmarks/vllm_compile.{json,md}.
+results/vllm_compile.{json,md}.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "vllm_compile"))
+    parser.add_argument("--output", default=str(ROOT / "results" / "vllm_compile"))
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process; prints JSON
     args = parser.parse_args()
     if args.child:

@@ -15,7 +15,7 @@ different token counts, so compare tokens/s). Each mode times `--repeats` genera
 profiles one more with `torch.profiler` (self CPU time per op). Run under the heavy-job lock on an otherwise idle machine:
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_lora_profile.py   # ~5 min on 2 cores
-    # writes docs/benchmarks/vllm_lora_profile.{json,md}
+    # writes results/vllm_lora_profile.{json,md}
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def main() -> None:
         "--natural-lengths", action="store_true", help="rows stop at EOS (default: exactly 40 tokens)"
     )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
-    p.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "vllm_lora_profile"))
+    p.add_argument("--output", default=str(ROOT / "results" / "vllm_lora_profile"))
     p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:  # one mode in this fresh process; the result as JSON on the last line of stdout

@@ -7,7 +7,7 @@ LoRA slots for the demo's 4 members, the cache on or off) and generates the demo
 package's rollout: 4 rank-1 members (2 antithetic pairs) x 32 train prompts, greedy, up to 64 tokens, twice.
 System prompts: the demo's ("answer", 26 tokens shared by every prompt, less than one 32-token block),
 the same behind one sentence ("answer-math": 32 shared tokens, one whole block) and a longer one with an example
-(83 shared tokens: two whole blocks). Writes docs/benchmarks/vllm_prefix_cache.{json,md}.
+(83 shared tokens: two whole blocks). Writes results/vllm_prefix_cache.{json,md}.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="problems per member (the demo's 32)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "vllm_prefix_cache"))
+    parser.add_argument("--output", default=str(ROOT / "results" / "vllm_prefix_cache"))
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # SYSTEM on|off, in this process
     args = parser.parse_args()
     if args.child:

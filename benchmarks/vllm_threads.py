@@ -12,7 +12,7 @@ step also runs on these threads). Last, the low-rank path's two ways of handing 
 otherwise idle machine:
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_threads.py   # ~12 min on 2 cores
-    # writes docs/benchmarks/vllm_threads.{json,md}
+    # writes results/vllm_threads.{json,md}
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ if __name__ == "__main__":  # vLLM may spawn helpers that import this script
     parser.add_argument(
         "--fixed-length", action="store_true", help="every row decodes exactly --max-new-tokens"
     )
-    parser.add_argument("--output-dir", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--output-dir", default=str(ROOT / "results"))
     parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
     parser.add_argument("--child-json", help=argparse.SUPPRESS)  # internal: measure one path, write its JSON
     args = parser.parse_args()

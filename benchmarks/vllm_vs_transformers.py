@@ -7,7 +7,7 @@ peak memory is measured per backend. Each child runs one warm-up step and then `
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_vs_transformers.py            # ~15 min on 2 cores
     flock /tmp/heavy.lock .venv/bin/python benchmarks/vllm_vs_transformers.py --steps 1 --no-write
 
-Writes docs/benchmarks/vllm_vs_transformers.json and .md. Per step it records wall time and the process's
+Writes results/vllm_vs_transformers.json and .md. Per step it records wall time and the process's
 CPU time (user + system, children included: robust when other jobs share the cores), the split of the
 generation phase into perturbing the HF model, pushing weights into vLLM and decoding, tokens/s, and the
 peak RSS of the process and its children (sampled every 0.2 s).
@@ -290,7 +290,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=2, help="measured steps per backend (after one warm-up)")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks/")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write results/")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -340,7 +340,7 @@ def main() -> None:
     )
     print(markdown)
     if not args.no_write:
-        out = REPO / "docs" / "benchmarks"
+        out = REPO / "results"
         out.mkdir(parents=True, exist_ok=True)
         (out / "vllm_vs_transformers.json").write_text(json.dumps(report, indent=2) + "\n")
         (out / "vllm_vs_transformers.md").write_text(markdown)

@@ -15,7 +15,7 @@ from .methods import METHODS, BenchMethod
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG_DIR = REPO_ROOT / "recipes" / "configs"
 LAUNCH_CONFIG_DIR = REPO_ROOT / "recipes" / "accelerate_configs"
-DEFAULT_OUTPUT_DIR = Path("docs") / "benchmarks"
+DEFAULT_OUTPUT_DIR = Path("results")
 
 
 @dataclass

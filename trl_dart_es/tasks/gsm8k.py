@@ -23,7 +23,7 @@ GSM8K_SYSTEM_PROMPT = (
     "Solve the math problem in a few short steps. "
     "Write the final answer on the last line as #### followed by the number."
 )
-# What the system prompt asks for (`prompt_style`); the learning study (docs/benchmarks/study.md) compares
+# What the system prompt asks for (`prompt_style`); the learning study (results/study.md) compares
 # them. "steps" is GSM8K_SYSTEM_PROMPT; the others ask for shorter completions, which a small completion
 # budget cuts off less often.
 _ANSWER = "Give only the final answer, written as #### followed by the number. Do not explain."
@@ -41,7 +41,7 @@ PROMPT_STYLES: dict[str, str] = {
     # computes that prefix once per call instead of once per prompt.
     "answer-math": "You are good at math. " + _ANSWER,
     # "answer" plus one sentence after it: 35 shared tokens (one block), and untrained the same accuracy and
-    # completion length as "answer" (docs/benchmarks/prompt_probe_block.md).
+    # completion length as "answer" (results/prompt_probe_block.md).
     "answer-once": _ANSWER + " Write the answer line once, then stop.",
 }
 # Styles whose prompt also starts the assistant's turn: the model continues after this text (TRL's chat
