@@ -174,7 +174,7 @@ def test_a_failing_method_is_reported_and_the_others_still_run(monkeypatch, tmp_
         observed = {"rc": 0, "wall_s": 1.0, "peak_tree_rss_mb": 1000.0, "log": str(log), "timed_out": False}
         return result, observed
 
-    monkeypatch.setattr(bench.run, "_spawn", fake_spawn)
+    monkeypatch.setattr(bench.run, "spawn", fake_spawn)
     rows = bench.run_benchmark(["dart-es", "es", "grpo"], bench.SHORT, work_dir=tmp_path, show_progress=False)
     assert calls == ["_baseline", "dart-es", "es", "grpo"]
     status = {r["method"]: r["status"] for r in rows}
@@ -349,13 +349,13 @@ def test_benchmark_end_to_end_on_a_tiny_model(tmp_path, tiny_model_and_data):
 def test_two_process_rows_launch_the_repo_configs_on_two_processes(monkeypatch):
     rows = {"dart-es-2proc": "cpu_2proc.yaml", "grpo-zero2": "deepspeed_zero2_cpu.yaml",
             "grpo-zero3": "deepspeed_zero3_cpu.yaml"}  # fmt: skip
-    monkeypatch.setattr(bench.run, "_gpu_name", lambda: None)
+    monkeypatch.setattr(bench.process, "_gpu_name", lambda: None)
     for name, cpu_config in rows.items():
         method = bench.METHODS[name]
         assert method.processes == 2 and method.launch[0] == cpu_config and not method.default
         for config in method.launch:
             assert (bench.LAUNCH_CONFIG_DIR / config).is_file(), config
-        cmd, env = bench._launch_command(method, bench.SHORT, ["-m", "trl_dart_es.benchmark", "--child", "s"])
+        cmd, env = bench.launch_command(method, bench.SHORT, ["-m", "trl_dart_es.benchmark", "--child", "s"])
         assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
         assert cmd[cmd.index("--config_file") + 1] == str(bench.LAUNCH_CONFIG_DIR / cpu_config)
         assert cmd[cmd.index("--num_processes") + 1] == "2"

@@ -11,7 +11,8 @@ Modules:
   held-out set), and the task's data and rewards;
 - `trainers`: the trainers built from a method's recipe config plus the workload;
 - `evaluation`: `evaluate_greedy`, the held-out evaluation every method and mode uses;
-- `run`: each method in its own child process (peak memory, step times), and the side-by-side rows;
+- `process`: one child process per run (spawn, memory sampling, stop); `child`: what the child runs;
+- `run`: the side-by-side rows (each method's runner, step times);
 - `report`: latest.{json,md,png} of the side-by-side benchmark;
 - `curves`: `--curves`, accuracy against a training-time budget (`run_curve`) and its report;
 - `stats`: paired t-intervals and the bootstrap, without scipy;
@@ -40,8 +41,9 @@ from .curves import (
 from .evaluation import evaluate_greedy, evaluate_trainer, evaluate_workload
 from .machine import cpu_model, machine_description
 from .methods import CURVE_METHODS, DEFAULT_METHODS, METHODS, BenchMethod, _installed
+from .process import launch_command, peak_memory, spawn, tail
 from .report import ROW_KEYS, _add_relative, merge_rows, plot_results, render_markdown, write_reports
-from .run import RUNNERS, _launch_command, _row, peak_memory, run_benchmark, summarize_run
+from .run import RUNNERS, _row, run_benchmark, summarize_run
 from .stats import bootstrap_interval, paired_t_interval, t_quantile
 from .trainers import _micro_batch, parse_recipe_config
 from .workload import (
@@ -83,6 +85,7 @@ __all__ = [
     "evaluate_workload",
     "finished_run",
     "held_out_set",
+    "launch_command",
     "load_curve_runs",
     "load_split",
     "machine_description",
@@ -98,13 +101,15 @@ __all__ = [
     "render_markdown",
     "run_benchmark",
     "run_curve",
+    "spawn",
     "summarize_curves",
     "summarize_run",
     "t_quantile",
+    "tail",
     "task_reward_funcs",
     "workload_from_args",
     "write_curve_report",
     "write_reports",
 ]
 # Private names kept importable for the tests and older callers.
-_PRIVATE = (_add_relative, _installed, _launch_command, _micro_batch, _parser, _row)
+_PRIVATE = (_add_relative, _installed, _micro_batch, _parser, _row)

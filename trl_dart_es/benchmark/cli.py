@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from .child import child_main
 from .curves import (
     CURVES,
     DEFAULT_BUDGET_MINUTES,
@@ -32,7 +33,7 @@ from .curves import (
 )
 from .methods import CURVE_METHODS, DEFAULT_METHODS, METHODS
 from .report import merge_rows, render_markdown, write_reports
-from .run import _child_main, run_benchmark
+from .run import run_benchmark
 from .workload import DEFAULT_OUTPUT_DIR, FULL, SHORT, Workload
 
 
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
     """Run the side-by-side benchmark (or, with --curves, the curves) as the options say; return its rows/runs."""
     args = _parser().parse_args(argv)
     if args.child:
-        raise SystemExit(_child_main(args.child))
+        raise SystemExit(child_main(args.child))
     default = CURVE_METHODS if args.curves else DEFAULT_METHODS
     if args.methods is None:
         methods = list(default)

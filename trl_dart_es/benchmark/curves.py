@@ -32,6 +32,7 @@ from typing import Any
 from ..digest import json_digest
 from .machine import machine_description, utc_now
 from .methods import METHODS, _missing_requirements
+from .process import peak_memory, spawn, tail
 from .stats import includes_zero, paired_t_interval
 from .workload import DEFAULT_OUTPUT_DIR, REPO_ROOT, Workload, _config_path
 
@@ -416,7 +417,6 @@ def run_curve(
         work_dir: the child's spec, result and log (default: a temporary folder).
         timeout_s: stop the child after this many seconds (default: 3 x budget + 1 h, for the evaluations).
     """
-    from .run import _spawn, _tail, peak_memory
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
@@ -445,7 +445,7 @@ def run_curve(
         if missing:
             result, observed = None, {"error": f"missing modules: {', '.join(missing)}", "wall_s": 0.0}
         else:
-            result, observed = _spawn(method, run_workload, Path(work), bar, extra=extra, stem=stem)
+            result, observed = spawn(method, run_workload, Path(work), bar, extra=extra, stem=stem)
         run: dict[str, Any] = {
             "method": method,
             "seed": seed,
@@ -458,7 +458,7 @@ def run_curve(
         if result is None:
             run["status"] = "timeout" if observed.get("timed_out") else "failed"
             run["error"] = observed.get("error") or (
-                _tail(Path(observed["log"])) if observed.get("log") else ""
+                tail(Path(observed["log"])) if observed.get("log") else ""
             )
         else:
             run.update(peak_memory(result, observed))
