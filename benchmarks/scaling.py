@@ -42,10 +42,10 @@ def worker(config: str, steps: int, out: Path) -> None:
     """One process of a run: build the trainer as recipes/dart_es_gsm8k.py does, train, write a record."""
     import numpy as np
     import torch
-    from transformers import TrainerCallback
     from trl import ModelConfig, TrlParser
 
     from trl_dart_es import DartESConfig, DartESTrainer
+    from trl_dart_es.benchmark.clock import StepClock
     from trl_dart_es.tasks.arguments import TaskArguments
 
     parser = TrlParser((TaskArguments, DartESConfig, ModelConfig))
@@ -73,23 +73,8 @@ def worker(config: str, steps: int, out: Path) -> None:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     assert acc.num_processes == world == int(os.environ.get("WORLD_SIZE", 1)), (acc.num_processes, world)
 
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.steps: list[float] = []
-            self.logs: list[dict] = []
-            self._t = 0.0
-
-        def on_step_begin(self, *a, **k):
-            self._t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.steps.append(time.perf_counter() - self._t)
-
-        def on_log(self, args, state, control, logs=None, **k):
-            self.logs.append({key: logs[key] for key in TIMING_KEYS if key in (logs or {})})
-
-    timer = Timer()
-    trainer.add_callback(timer)
+    clock = StepClock()
+    trainer.add_callback(clock.callback())
     trainer.train()
 
     # What this process sends per step in the reward gather (see DartESTrainer._gather_rewards).
@@ -106,8 +91,8 @@ def worker(config: str, steps: int, out: Path) -> None:
         "world_size": world,
         "torch_threads": torch.get_num_threads(),
         "local_members": local,
-        "step_s": timer.steps,
-        "logs": timer.logs,
+        "step_s": clock.step_times,
+        "logs": [{key: e[key] for key in TIMING_KEYS if key in e} for e in trainer.state.log_history],
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "gather_payload_bytes": len(pickle.dumps((fingerprint, rows))),
         "reward_payload_bytes": k * len(local) * b * 8,

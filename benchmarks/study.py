@@ -256,27 +256,12 @@ def eval_every(name: str, args: argparse.Namespace) -> int:
 
 
 def _train_clock(budget_s: float | None = None):
-    """A callback: seconds spent inside ES steps, and the step-end times, without evaluation; it stops
-    training once `budget_s` train seconds are spent, and evaluates the last step."""
-    from transformers import TrainerCallback
+    """The harness's step clock: seconds spent inside ES steps (evaluation left out) and the training seconds at
+    each step end; it stops training once `budget_s` train seconds are spent, and evaluates the last step
+    (`clock.callback(evaluate_last=True)`)."""
+    from trl_dart_es.benchmark.clock import StepClock
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.total, self._t0, self.at_step = 0.0, None, {}
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.total += time.perf_counter() - self._t0
-            self.at_step[state.global_step] = self.total
-            if budget_s is not None and self.total >= budget_s:
-                control.should_training_stop = True
-            # The last step is always evaluated, whether the clock or the step count ends the run.
-            if control.should_training_stop or state.global_step >= state.max_steps:
-                control.should_evaluate = True
-
-    return Clock()
+    return StepClock(budget_s)
 
 
 def _machines(runs: list[dict]) -> str:
@@ -338,7 +323,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             args=cfg,
             train_dataset=train,
             eval_dataset=held_out,
-            callbacks=[clock],
+            callbacks=[clock.callback(evaluate_last=True)],
         )
         # Greedy evaluation of the untrained model is deterministic: cached, keyed by all that changes it.
         at_start, _ = evaluate_untrained(trainer, held_out, model_args.model_name_or_path)
@@ -375,7 +360,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     return {
         "variant": name, "seed": seed, "settings": _settings(name, args), "points": points,
-        "train_seconds": clock.total, "wall_s": wall, "train_log": train_log, "machine": machine_description(),
+        "train_seconds": clock.train_seconds, "wall_s": wall, "train_log": train_log, "machine": machine_description(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }  # fmt: skip
 

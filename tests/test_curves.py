@@ -307,3 +307,29 @@ def test_curves_end_to_end_on_a_tiny_model_and_rerun_skips(tmp_path, tiny_model_
     assert "skip dart-es seed 0" in out and "skip grpo seed 0" in out and "run dart-es" not in out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == stamps
     assert [r["method"] for r in runs] == ["dart-es", "grpo"]
+
+
+def test_the_step_clock_keeps_both_readings_of_the_same_steps():
+    """One clock for every measurement: begin-to-end step times (a budget's training seconds) and end-to-end
+    times (the side-by-side benchmark's step time, which also counts what runs between steps)."""
+    from transformers import TrainerControl, TrainerState
+
+    from trl_dart_es.benchmark.clock import StepClock
+
+    shown: list[str] = []
+    clock = StepClock(progress=shown.append)
+    callback = clock.callback()
+    state, control = TrainerState(max_steps=3), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    for step in range(1, 4):
+        time.sleep(0.02)  # between steps: in the end-to-end reading only
+        state.global_step = step
+        callback.on_step_begin(None, state, control)
+        time.sleep(0.01)
+        callback.on_step_end(None, state, control)
+    assert len(clock.step_times) == len(clock.wall_step_times) == 3
+    assert all(w >= s + 0.02 for w, s in zip(clock.wall_step_times, clock.step_times, strict=True))
+    assert clock.train_seconds == pytest.approx(sum(clock.step_times))
+    assert sorted(clock.at_step) == [1, 2, 3] and clock.at_step[3] == clock.train_seconds
+    assert shown == ["train 0/3", "train 1/3", "train 2/3", "train 3/3"]
+    assert not control.should_training_stop and not control.should_evaluate  # no budget, no evaluation asked

@@ -69,16 +69,17 @@ def test_train_clock_evaluates_the_last_step_and_stops_at_the_budget():
     from transformers import TrainerControl, TrainerState
 
     clock = study._train_clock(budget_s=None)
+    callback = clock.callback(evaluate_last=True)
     state, control = TrainerState(max_steps=8), TrainerControl()
     for step in range(1, 9):
         state.global_step = step
-        clock.on_step_begin(None, state, control)
-        clock.on_step_end(None, state, control)
+        callback.on_step_begin(None, state, control)
+        callback.on_step_end(None, state, control)
         assert control.should_evaluate == (step == 8), step
         control.should_evaluate = False
     assert not control.should_training_stop and sorted(clock.at_step) == list(range(1, 9))
 
-    timed = study._train_clock(budget_s=0.0)  # any step spends the budget
+    timed = study._train_clock(budget_s=0.0).callback(evaluate_last=True)  # any step spends the budget
     state, control = TrainerState(max_steps=100), TrainerControl()
     state.global_step = 1
     timed.on_step_begin(None, state, control)

@@ -11,6 +11,7 @@ Modules:
   held-out set), and the task's data and rewards;
 - `trainers`: the trainers built from a method's recipe config plus the workload;
 - `evaluation`: `evaluate_greedy`, the held-out evaluation every method and mode uses;
+- `clock`: `StepClock`, the one step timer (step times, training seconds, the budget's stop);
 - `process`: one child process per run (spawn, memory sampling, stop); `child`: what the child runs;
 - `run`: the side-by-side rows (each method's runner, step times);
 - `report`: latest.{json,md,png} of the side-by-side benchmark;
@@ -23,6 +24,7 @@ happens in the child that runs a method.
 """
 
 from .cli import _parser, main, workload_from_args
+from .clock import StepClock
 from .curves import (
     CURVES,
     CurveClock,
@@ -74,6 +76,7 @@ __all__ = [
     "ROW_KEYS",
     "RUNNERS",
     "SHORT",
+    "StepClock",
     "Workload",
     "bootstrap_interval",
     "cpu_model",

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..digest import json_digest
+from .clock import StepClock
 from .machine import machine_description, utc_now
 from .methods import METHODS, _missing_requirements
 from .process import peak_memory, spawn, tail
@@ -76,12 +77,14 @@ _TAG = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 # ----------------------------------------------------------------------------------------- the clock
-class CurveClock:
-    """Training seconds (the sum of step durations, evaluation left out), evaluation at marks, and the stop.
+class CurveClock(StepClock):
+    """The step clock with evaluation at marks of training time (evaluation left out of it) and a budget.
 
     `step_begin()` / `step_end(step)` bracket each optimizer step; `step_end` evaluates when the step crosses one
     or more marks (one evaluation serves them all) and returns True once the budget is spent. `callback()` is
-    the same clock as a `transformers.TrainerCallback`.
+    the same clock as a `transformers.TrainerCallback`. The evaluation runs in `on_step_end` rather than through
+    `control.should_evaluate`: GRPOTrainer's own evaluate() would sample with its own settings, while this is the
+    harness's greedy evaluation, the same function for every method, timed apart from training.
     """
 
     def __init__(
@@ -93,28 +96,17 @@ class CurveClock:
     ):
         if budget_s <= 0:
             raise ValueError(f"the budget must be positive, got {budget_s} s")
-        self.budget_s = float(budget_s)
+        super().__init__(budget_s, progress)
         # Marks past the budget are never reached; the budget's end is always one.
         self.marks = sorted({float(m) for m in eval_at_s if 0 < m < budget_s} | {self.budget_s})
         self.evaluate = evaluate
-        self.progress = progress or (lambda text: None)
-        self.train_seconds = 0.0
         self.eval_seconds = 0.0
-        self.step_times: list[float] = []
         self.points: list[dict[str, Any]] = []
         self._next_mark = 0
-        self._step_started: float | None = None
-
-    def step_begin(self) -> None:
-        self._step_started = time.perf_counter()
 
     def step_end(self, step: int) -> bool:
         """Count the step just ended; evaluate if it crossed a mark; True when training should stop."""
-        if self._step_started is not None:
-            duration = time.perf_counter() - self._step_started
-            self._step_started = None
-            self.train_seconds += duration
-            self.step_times.append(duration)
+        self._count(step)
         crossed = []
         while self._next_mark < len(self.marks) and self.marks[self._next_mark] <= self.train_seconds:
             crossed.append(self.marks[self._next_mark])
@@ -123,7 +115,7 @@ class CurveClock:
             self.record(step, crossed)
         last = f", acc {100 * self.points[-1]['accuracy']:.1f}%" if self.points else ""
         self.progress(f"train {self.train_seconds:.0f}/{self.budget_s:.0f} s, step {step}{last}")
-        return self.train_seconds >= self.budget_s
+        return self.spent()
 
     def record(self, step: int, marks: Sequence[float], metrics: Mapping[str, float] | None = None) -> dict:
         """Evaluate now (unless `metrics` are given) and add the point; its time goes to `eval_seconds` only."""
@@ -152,26 +144,6 @@ class CurveClock:
         """After training: evaluate the last step if it has no point yet (training ended before the budget)."""
         if not self.points or self.points[-1]["step"] != step:
             self.record(step, [])
-
-    def callback(self):
-        """This clock as a TrainerCallback (built on first use: transformers is a heavy import)."""
-        from transformers import TrainerCallback
-
-        clock = self
-
-        class CurveCallback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                clock.step_begin()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                # The evaluation runs here rather than through `control.should_evaluate`: GRPOTrainer's own
-                # evaluate() would sample with its own settings, while this is the harness's greedy evaluation,
-                # the same function for every method, timed apart from training.
-                if clock.step_end(state.global_step):
-                    control.should_training_stop = True
-                return control
-
-        return CurveCallback()
 
 
 # ----------------------------------------------------------------------------------------- settings

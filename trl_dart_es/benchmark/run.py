@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .clock import StepClock
 from .evaluation import evaluate_workload
 from .machine import machine_description, utc_now
 from .methods import METHODS, BenchMethod, _missing_requirements
@@ -23,43 +24,18 @@ from .workload import Workload
 __all__ = ["ROW_KEYS", "RUNNERS", "run_benchmark", "summarize_run"]
 
 
-class _StepTimer:
-    """Timestamps the end of every optimizer step, and tells the parent how far training is."""
-
-    def __init__(self, progress: Callable[[str], None]):
-        from transformers import TrainerCallback
-
-        timer = self
-
-        class Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                timer.ends = [time.perf_counter()]
-                progress(f"train 0/{state.max_steps}")
-
-            def on_step_end(self, args, state, control, **kwargs):
-                timer.ends.append(time.perf_counter())
-                progress(f"train {state.global_step}/{state.max_steps}")
-
-        self.ends: list[float] = []
-        self.callback = Callback()
-
-    @property
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
-
-
 def _run_es(method: BenchMethod, workload: Workload, progress: Callable[[str], None]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{method.name}-") as out:
         progress("loading")
-        timer = _StepTimer(progress)
-        trainer, config = es_trainer(method, workload, out, [timer.callback])
+        clock = StepClock(progress=progress)
+        trainer, config = es_trainer(method, workload, out, [clock.callback()])
         trainer.train()
         history = trainer.state.log_history
         return {
             "config": config,
             "trainer": trainer,
             "reward_weights": trainer.args.reward_weights,
-            "step_times_s": timer.step_times,
+            "step_times_s": clock.wall_step_times,
             "completion_tokens": [
                 m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")
             ],
@@ -93,8 +69,8 @@ def _run_inference(
 def _run_grpo(method: BenchMethod, workload: Workload, progress: Callable[[str], None]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{method.name}-") as out:
         progress("loading")
-        timer = _StepTimer(progress)
-        trainer, config, batches = grpo_trainer(method, workload, out, [timer.callback])
+        clock = StepClock(progress=progress)
+        trainer, config, batches = grpo_trainer(method, workload, out, [clock.callback()])
         trainer.train()
         history = trainer.state.log_history
         return {
@@ -102,7 +78,7 @@ def _run_grpo(method: BenchMethod, workload: Workload, progress: Callable[[str],
             "trainer": trainer,
             "reward_weights": trainer.args.reward_weights,
             **batches,
-            "step_times_s": timer.step_times,
+            "step_times_s": clock.wall_step_times,
             "completion_tokens": [
                 m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")
             ],
