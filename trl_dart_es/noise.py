@@ -14,7 +14,7 @@ How a tensor's noise is defined (this is the contract every process relies on):
   by ``Tensor.normal_`` from a ``torch.Generator`` seeded with ``chunk_seed(tensor_seed, i)``. Chunks are
   independent sub-streams, so they can be drawn by several threads at once and the values never depend
   on the number of threads. This is the fastest exact Gaussian we measured on the project's CPU (see
-  docs/method.md and benchmarks/es_bookkeeping.py): torch's vectorised Box-Muller at ~2.4 ns/element on
+  docs/method.md and results/es_bookkeeping.md): torch's vectorised Box-Muller at ~2.4 ns/element on
   one thread, ~1.3 ns/element over two threads, against ~7-9 ns/element for numpy's ziggurat
   (PCG64, SFC64, Philox) and ~3.9 ns/element for a per-tensor ``torch.randn`` that allocates.
 * On CUDA a tensor is drawn in one go from a CUDA ``torch.Generator`` seeded with ``tensor_seed``.
