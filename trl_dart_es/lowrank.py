@@ -214,11 +214,11 @@ class LowRankParameters(MemberState):
             delta = self._delta(i, member.seed, coef)
             if bases is not None:
                 if p.dtype == torch.float32:
-                    torch.add(bases[i], delta, out=p.data)
+                    torch.add(bases[i], delta, out=p.detach())
                 else:
-                    p.data.copy_(bases[i] + delta)
+                    p.detach().copy_(bases[i] + delta)
             else:
-                p.data.add_(delta.to(p.dtype))
+                p.detach().add_(delta.to(p.dtype))
                 self._applied.add(i)
         if self._vectors is not None:
             self._vectors.perturb(member)
@@ -230,12 +230,12 @@ class LowRankParameters(MemberState):
         member = self._current
         if self.exact_restore:
             for p, b in zip(self._mats, self._mat_base, strict=True):  # all exist: perturb() made them
-                p.data.copy_(b)
+                p.detach().copy_(b)
         else:
             coef = member.sign * self.sigma / math.sqrt(self.rank)
             for i in sorted(self._applied):
                 p = self._mats[i]
-                p.data.sub_(self._delta(i, member.seed, coef).to(p.dtype))
+                p.detach().sub_(self._delta(i, member.seed, coef).to(p.dtype))
             self._applied.clear()
         if self._vectors is not None:
             self._vectors.restore()
@@ -271,9 +271,9 @@ class LowRankParameters(MemberState):
                         if master is not None:
                             base = master[start:stop]
                             base.add_(delta)
-                            p.data[start:stop].copy_(base)
+                            p.detach()[start:stop].copy_(base)
                         else:  # reference mode, or an fp32 matrix never perturbed (the same bits as a master)
-                            p.data[start:stop].add_(delta.to(p.dtype))
+                            p.detach()[start:stop].add_(delta.to(p.dtype))
             if self._vectors is not None:
                 sq += self._vectors.update(members, z, lr) ** 2
         finally:

@@ -204,7 +204,7 @@ class EvolvedParameters(MemberState):
         return parallel_map(fn, cpu) + [fn(t) for t in other]
 
     def _flat(self, i: int) -> torch.Tensor:
-        return self._params[i].data.view(-1)
+        return self._params[i].detach().view(-1)  # not .data: writes must bump the version (weight sync)
 
     def _eps(self, seed: int, t: _Task, slot: str, fresh: dict[int, list[torch.Tensor]] | None = None):
         """Noise of ``seed`` on task ``t``: from the cache, else drawn (into ``fresh`` when caching)."""
@@ -280,7 +280,7 @@ class EvolvedParameters(MemberState):
             return
         if self.exact_restore:
             for p, b in zip(self._params, self._base, strict=True):
-                p.data.copy_(b)
+                p.detach().copy_(b)
         else:
             member = self._current
             alpha = member.sign * self.sigma
@@ -403,4 +403,4 @@ def load_master_into(
                 f"master weight {name!r} has shape {tuple(src.shape)}, expected {tuple(b.shape)}"
             )
         b.copy_(src)
-        p.data.copy_(b)
+        p.detach().copy_(b)

@@ -118,7 +118,10 @@ class LowRankRollout(TransformersRollout):
             if self.generation_config.do_sample:  # reproducible per (population, call)
                 torch.manual_seed(tensor_seed(group[0].seed, f"lowrank-rollout/{call}"))
             with self.params.batched(group):
-                sequences = self.model.generate(**rows, generation_config=self.generation_config)
+                # `tokenizer`: stop strings from `generation_kwargs`, as on every other backend.
+                sequences = self.model.generate(
+                    **rows, generation_config=self.generation_config, tokenizer=self.tokenizer
+                )
             gen = self._decode(sequences, enc["input_ids"].shape[1])
             per_member = len(gen.texts) // len(group)  # num_return_sequences/beams keep member blocks whole
             for g in range(len(group)):

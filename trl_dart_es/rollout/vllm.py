@@ -17,7 +17,8 @@ How the weights get into the engine depends on the device, never the result:
 
 The engine's weights are tracked lazily: going from member n to member n+1 is one push, the population
 ends with no push back to the base, and ``generate`` (evaluation) pushes the base only when the engine does
-not already hold exactly those weights (a per-tensor checksum of what was last pushed).
+not already hold exactly those weights (:class:`WeightSignal`: the tensors' version counters, which every
+in-place write bumps).
 
 The engine runs inside the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so pushing weights
 copies tensors in memory instead of serialising them. Scripts still need an ``if __name__ == "__main__":``
@@ -33,6 +34,8 @@ import logging
 import os
 import re
 import tempfile
+import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +50,8 @@ from .prompts import render_prompts
 
 __all__ = [
     "VLLMRollout",
+    "WeightSignal",
+    "check_outputs",
     "cpu_threads_for_engine",
     "engine_weights",
     "is_vllm_available",
@@ -247,10 +252,59 @@ def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, param.detach()) for name, param in model.named_parameters()]
 
 
-def _checksum(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """Names and per-tensor float64 sums: tells whether the engine already holds exactly these weights."""
-    sums = torch.stack([t.sum(dtype=torch.float64).cpu() for _, t in weights])
-    return tuple(n for n, _ in weights), sums
+def _signal_entry(param: torch.Tensor) -> tuple:
+    # The tensor object itself (weakly: a new model never matches an old one's address), its storage, shape,
+    # dtype and autograd version counter, which every in-place write bumps (``param.data`` writes excepted).
+    return (weakref.ref(param), param.data_ptr(), tuple(param.shape), param.dtype, param._version)
+
+
+def _same_entry(now: tuple, held: tuple) -> bool:
+    alive = now[0]()
+    return alive is not None and alive is held[0]() and now[1:] == held[1:]
+
+
+@dataclass(frozen=True)
+class WeightSignal:
+    """What the engine's copy of a model depends on, read without touching the values.
+
+    Every in-place write to a parameter (an ES perturb, restore or update, ``load_state_dict``, an optimizer
+    step, ``param.detach().add_()``) bumps its version counter; a new tensor has a new storage or identity. So
+    a change cannot be missed, whatever the values are (a checksum misses changes that keep the sum: a ±1-ulp
+    pair, permuted rows). One exception: writes through ``param.data`` bypass the counter (that is what
+    ``.data`` is for); after such a write call ``rollout.sync_weights(force=True)``.
+
+    LoRA `PeftModel`s are pushed merged, so any change (or a change of the active adapters) pushes everything.
+    """
+
+    entries: dict[str, tuple]
+    merged: bool = False
+    adapters: tuple = ()
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> WeightSignal:
+        entries = {name: _signal_entry(p) for name, p in model.named_parameters()}
+        if not _is_peft_model(model):
+            return cls(entries)
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        state = (
+            tuple(model.active_adapters),
+            tuple(m.disable_adapters for m in layers),
+            tuple(tuple(m.merged_adapters) for m in layers),
+        )
+        return cls(entries, merged=True, adapters=state)
+
+    def changed_since(self, held: WeightSignal) -> set[str] | None:
+        """Names whose tensors changed since ``held`` was read; None when everything must be pushed."""
+        if (
+            held.merged != self.merged
+            or held.adapters != self.adapters
+            or held.entries.keys() != self.entries.keys()
+        ):
+            return None
+        changed = {n for n, e in self.entries.items() if not _same_entry(e, held.entries[n])}
+        return None if changed and self.merged else changed
 
 
 # ------------------------------------------------------------------------------------------------ threads
@@ -339,6 +393,30 @@ def cpu_threads_for_engine(
 
 
 # ------------------------------------------------------------------------------------------------- engine
+def check_outputs(rows: Sequence[dict], outputs: Sequence[Any], lora_requests: Any = None) -> None:
+    """Raise unless ``outputs`` are exactly one finished output per row of ``rows``, in the same order, each
+    for its row's prompt (and adapter, when ``lora_requests`` is a list): a rollout must never pair a member
+    with another request's completion."""
+    if len(outputs) != len(rows):
+        raise RuntimeError(
+            f"vLLM returned {len(outputs)} outputs for {len(rows)} prompts: the engine held requests of another "
+            "call. Refusing to pair completions with the wrong prompts."
+        )
+    loras = lora_requests if isinstance(lora_requests, (list, tuple)) else None
+    for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
+        prompt = getattr(out, "prompt_token_ids", None)
+        if prompt is not None and list(prompt) != list(row["prompt_token_ids"]):
+            raise RuntimeError(f"vLLM output {i} belongs to another prompt than row {i}")
+        if loras is not None:
+            got = getattr(getattr(out, "lora_request", None), "lora_int_id", None)
+            if got != loras[i].lora_int_id:
+                raise RuntimeError(
+                    f"vLLM output {i} came from adapter {got}, row {i} asked for {loras[i].lora_int_id}"
+                )
+        if getattr(out, "finished", True) is False or not out.outputs:
+            raise RuntimeError(f"vLLM output {i} is unfinished or empty")
+
+
 @dataclass
 class _Engine:
     """A live vLLM engine, its start settings, and what weights it holds (None: unknown or a member)."""
@@ -347,7 +425,7 @@ class _Engine:
     key: tuple
     weight_sync: str
     on_cpu: bool
-    holds: tuple | None = None
+    holds: WeightSignal | None = None
     own_process_group: bool = False
     vllm_threads: int | None = None  # torch threads the process had once vLLM started (CPU), before ours
     tmpdir: Any = None
@@ -361,15 +439,40 @@ class _Engine:
     prefix_caching: bool = False
 
     def generate(self, rows: list, sampling: Any, **kwargs: Any) -> list:
-        """``llm.generate`` on cached prompt prefixes from this call only.
+        """``llm.generate`` that leaves the engine as it found it, and returns one output per row, in order.
 
-        Cached KV belongs to the weights (and adapter) that computed it, and the weights change between calls
-        (every member push, every update; adapter ids are reused), so the cache is emptied first. Within one
-        call the weights are fixed: prompts that share a prefix compute it once per adapter.
+        * Requests left over by a call that never finished (an interrupt outside this method) are aborted
+          first: ``llm.generate`` would otherwise return their completions among ours.
+        * On any exception or interrupt (Ctrl-C) the requests this call queued are aborted before it re-raises,
+          so the engine holds no request of a call whose caller is gone.
+        * The outputs are checked against the rows (:func:`check_outputs`): a count, prompt or adapter that does
+          not match raises instead of scoring a member on someone else's completion.
+
+        With prefix caching, the cache is emptied first: cached KV belongs to the weights (and adapter) that
+        computed it, and those change between calls (every member push, every update). Within one call the
+        weights are fixed: prompts that share a prefix compute it once per adapter.
         """
+        self.abort_unfinished()
         if self.prefix_caching:
             self.llm.reset_prefix_cache()
-        return self.llm.generate(rows, sampling, use_tqdm=False, **kwargs)
+        try:
+            outputs = self.llm.generate(rows, sampling, use_tqdm=False, **kwargs)
+        except BaseException:
+            self.abort_unfinished()
+            raise
+        check_outputs(rows, outputs, kwargs.get("lora_request"))
+        return outputs
+
+    def abort_unfinished(self) -> int:
+        """Abort every request the engine still holds; returns how many there were."""
+        engine = getattr(self.llm, "llm_engine", None)
+        states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+        if not states:  # none left (or a stand-in engine without vLLM's request bookkeeping)
+            return 0
+        ids = list(states)
+        engine.abort_request(ids, internal=True)
+        logger.warning("aborted %d vLLM requests left over by an interrupted generate", len(ids))
+        return len(ids)
 
 
 _ENGINE: _Engine | None = None
@@ -704,7 +807,6 @@ def _push_weights(
     ``partial``: ``weights`` are whole modules (:func:`changed_units`) and the engine keeps every other module
     as it is. ``refresh_tied``: re-pack a tied output head (needed whenever the embedding may have changed).
     """
-    import time
 
     if engine.sleeping:
         engine.llm.wake_up()
@@ -808,6 +910,7 @@ class VLLMRollout:
         )
         self._sample = bool(generation_config.do_sample)
         self._SamplingParams = SamplingParams
+        self.last_perturb_time = 0.0
 
     @classmethod
     def from_trainer(cls, trainer, generation_config: GenerationConfig) -> VLLMRollout:
@@ -850,19 +953,23 @@ class VLLMRollout:
             self.engine.holds = None
 
     def sync_weights(self, force: bool = False) -> bool:
-        """Make the engine hold the model's current weights; returns whether a push was needed."""
-        weights = engine_weights(self.model)
-        fingerprint = _checksum(weights)
+        """Make the engine hold the model's current weights; returns whether a push was needed.
+
+        What changed since the last push comes from :class:`WeightSignal` (version counters, not values), and
+        only the engine modules holding a changed tensor are pushed. ``force``: push everything regardless.
+        """
+        signal = WeightSignal.of(self.model)  # read before the push: a write during it shows up next time
         held = self.engine.holds
-        subset = None  # everything
-        if not force and held is not None and held[0] == fingerprint[0]:
-            differ = (held[1] != fingerprint[1]).nonzero().flatten().tolist()
-            if not differ:
-                return False
-            # Only the modules whose tensors changed: with low rank on vLLM the embeddings, norms and a tied
-            # head never change, and re-loading them (re-packing the head) is most of a step's push otherwise.
-            subset = changed_units(fingerprint[0], {fingerprint[0][i] for i in differ}, self.engine.packed)
+        changed = None if force or held is None else signal.changed_since(held)
+        if changed is not None and not changed:
+            return False
+        weights = engine_weights(self.model)
         self.engine.holds = None  # a failed push leaves the engine in an unknown state
+        # Only the modules whose tensors changed: with low rank on vLLM the embeddings, norms and a tied head
+        # never change, and re-loading them (re-packing the head) is most of a step's push otherwise.
+        subset = (
+            None if changed is None else changed_units([n for n, _ in weights], changed, self.engine.packed)
+        )
         if subset is None or len(subset) == len(weights):
             _push_weights(self.engine, weights)
         else:
@@ -873,7 +980,7 @@ class VLLMRollout:
                 partial=True,
                 refresh_tied=bool(tied & subset),
             )
-        self.engine.holds = fingerprint
+        self.engine.holds = signal
         return True
 
     # ------------------------------------------------------------------------------------------ public
@@ -891,14 +998,19 @@ class VLLMRollout:
         return and the engine is left holding the last member (the next `generate` pushes the base back)."""
         encoded = self._encode(prompts)  # the prompts are the same for every member: tokenize once
         out = []
+        self.last_perturb_time = 0.0  # perturbing and pushing each member: ES bookkeeping, not generation
         try:
             for member in members:
+                t0 = time.perf_counter()
                 self.params.perturb(member)  # straight from member n to n+1: no restore in between
                 self.engine.holds = None
                 _push_weights(self.engine, engine_weights(self.model))
+                self.last_perturb_time += time.perf_counter() - t0
                 out.append(self._generate_encoded(encoded, seed=member.seed))
         finally:
+            t0 = time.perf_counter()
             self.params.restore()
+            self.last_perturb_time += time.perf_counter() - t0
         self._sleep()
         return out
 

@@ -179,35 +179,38 @@ class VLLMLowRankRollout(VLLMRollout):
                 f"{sorted(expected)}); freeze those layers or use use_vllm=False"
             )
 
-    def _add_adapters(self, members: Sequence[Member]) -> tuple[list, str | None]:
+    def _adapter_requests(self, members: Sequence[Member]) -> tuple[list, str | None]:
+        """One `LoRARequest` per member under a fresh id (and, for ``handover="files"``, its folder); nothing is
+        loaded yet, so a caller can remove every one of them whatever happens next."""
         from vllm.lora.request import LoRARequest
 
-        tensors = [member_adapter_tensors(self.params, m, self._dtype) for m in members]
         ids = [next(_ADAPTER_IDS) for _ in members]
-        names = [f"dart-es-member-{i}" for i in ids]
         if self.handover == "memory":
-            adapters = list(zip(ids, tensors, strict=True))
+            # The path is never read: the adapters are put in the worker's cache under these ids.
+            return [LoRARequest(f"dart-es-member-{i}", i, "in-memory://dart-es") for i in ids], None
+        folder = tempfile.mkdtemp(prefix="dart_es_lora_", dir=_shm_dir())
+        return [
+            LoRARequest(f"dart-es-member-{i}", i, os.path.join(folder, f"dart-es-member-{i}")) for i in ids
+        ], folder
+
+    def _add_adapters(self, members: Sequence[Member], requests: Sequence) -> None:
+        tensors = [member_adapter_tensors(self.params, m, self._dtype) for m in members]
+        if self.handover == "memory":
+            adapters = [(r.lora_int_id, t) for r, t in zip(requests, tensors, strict=True)]
             config = self._config
             self.engine.llm.collective_rpc(lambda worker: _add_in_memory(worker, adapters, config))
-            # The path is never read: the adapters are already in the worker's cache under these ids.
-            return [LoRARequest(n, i, "in-memory://dart-es") for n, i in zip(names, ids, strict=True)], None
-        folder = tempfile.mkdtemp(prefix="dart_es_lora_", dir=_shm_dir())
+            return
         from safetensors.torch import save_file
 
-        requests = []
-        for name, lora_id, t in zip(names, ids, tensors, strict=True):
-            path = os.path.join(folder, name)
-            os.makedirs(path)
-            save_file(t, os.path.join(path, "adapter_model.safetensors"))
-            with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        for request, t in zip(requests, tensors, strict=True):
+            os.makedirs(request.lora_path)
+            save_file(t, os.path.join(request.lora_path, "adapter_model.safetensors"))
+            with open(os.path.join(request.lora_path, "adapter_config.json"), "w") as f:
                 json.dump(self._config, f)
-            request = LoRARequest(name, lora_id, path)
             self.engine.llm.llm_engine.add_lora(request)
-            requests.append(request)
-        return requests, folder
 
     def _remove_adapters(self, requests: Sequence, folder: str | None) -> None:
-        for request in requests:
+        for request in requests:  # an id that was never added is a no-op
             self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -228,9 +231,12 @@ class VLLMLowRankRollout(VLLMRollout):
         t0 = time.perf_counter()
         self.sync_weights()  # once per step: after the update the engine needs the new base
         encoded = self._encode(prompts)
-        requests, folder = self._add_adapters(members)
-        self.last_perturb_time = time.perf_counter() - t0
+        requests, folder = self._adapter_requests(members)
+        # Everything from here on is undone on any exception or Ctrl-C: the engine aborts this call's requests
+        # (_Engine.generate) and every adapter is removed, so the engine is left as it was before the call.
         try:
+            self._add_adapters(members, requests)
+            self.last_perturb_time = time.perf_counter() - t0
             rows = encoded * len(members)  # member-major: row i belongs to member i // B
             sampling = [sp for m in members for sp in self._sampling_params(len(encoded), m.seed)]
             loras = [r for r in requests for _ in encoded]

@@ -22,23 +22,27 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
-from transformers.utils import is_peft_available
+from transformers.utils import is_peft_available, logging
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..distributed import check_distributed_setup, gather_object_with_timeout
 from ..embedded import resolve_model_path
 from ..perturb import EvolvedParameters
+from ..rollout.base import check_population
 from ..rollout.prompts import as_completions
 from ..rollout.transformers import TransformersRollout, build_generation_config
 from ..scoring import ACCURACY_GROUPS, RewardScorer, accuracy_by_group
 from ..strategy import DartES
 from .dart_es_config import DartESConfig
+from .transaction import StepSnapshot, check_resume_settings, held_interrupt, trajectory_settings
 
 if is_peft_available():
     from peft import PeftConfig, get_peft_model
     from peft import PeftModel as _PeftModel
 else:  # pragma: no cover
     PeftConfig = _PeftModel = None
+
+logger = logging.get_logger(__name__)
 
 DART_STATE_NAME = "dart_es_state.json"
 MASTER_WEIGHTS_NAME = "dart_es_master.safetensors"
@@ -260,6 +264,8 @@ class DartESTrainer(_BaseTrainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_samples: list[tuple[str, str, float]] = []
         self._step_flops = 0
+        self._step_committed = False
+        self._torn: str | None = None  # why this trainer cannot take another step (an update failed part-way)
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _use_noise_cache(self) -> bool:
@@ -345,6 +351,23 @@ class DartESTrainer(_BaseTrainer):
         self._metrics[name].append(float(value))
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """One ES step, all or nothing: a step that raises before its update (Ctrl-C, an engine or reward error)
+        leaves the strategy state, the RNGs, the metrics and the weights as they were, so a retry gives what a
+        clean step gives (`trl_dart_es.trainer.transaction`)."""
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
+        snapshot = StepSnapshot.take(self.strategy, self._metrics)
+        self._step_committed = False
+        try:
+            return self._es_step()
+        except BaseException:
+            if not self._step_committed:
+                snapshot.restore(self.strategy, self._metrics)
+                self.es_params.restore()  # a no-op unless a rollout failed to restore
+                self.es_params.clear_cache()
+            raise
+
+    def _es_step(self) -> torch.Tensor:
         args = self.args
         t_start = time.perf_counter()
         batch, members = self.strategy.ask()
@@ -353,6 +376,7 @@ class DartESTrainer(_BaseTrainer):
         t_ask = time.perf_counter()
 
         gens = self.rollout.generate_population(columns["prompt"], [members[n] for n in local])
+        check_population(gens, len(local), len(batch.ids))
         t_gen = time.perf_counter()
         local_rewards = self._score(columns, gens, len(local)).reshape(len(self.scorer), len(local), -1)
         t_reward = time.perf_counter()
@@ -363,11 +387,27 @@ class DartESTrainer(_BaseTrainer):
         t_gather = time.perf_counter()
         result = self.strategy.tell(batch, rewards)
         lr = self._get_learning_rate()
-        if result.z is not None:
-            update_norm = self.es_params.update(members, result.z, lr)
-        else:
-            self.es_params.clear_cache()
-            update_norm = 0.0
+        # The update cannot be rolled back: Ctrl-C waits until it is done, and then stops training after this step.
+        with held_interrupt() as interrupted:
+            if result.z is not None:
+                try:
+                    update_norm = self.es_params.update(members, result.z, lr)
+                except BaseException as exc:
+                    self._torn = (
+                        f"DART-ES step {self.strategy.step}: the ES update failed part-way ({exc!r}); the weights "
+                        "may be partly updated, so this trainer takes no further step. Resume from the last "
+                        "checkpoint (trainer.train(resume_from_checkpoint=True))."
+                    )
+                    raise RuntimeError(self._torn) from exc
+            else:
+                self.es_params.clear_cache()
+                update_norm = 0.0
+            self._step_committed = True
+        if interrupted:
+            logger.warning(
+                "Ctrl-C during the ES update: step %d is complete; training stops here", self.strategy.step
+            )
+            self.control.should_training_stop = True
         t_end = time.perf_counter()
 
         self._step_flops = 2 * self.es_params.num_parameters * tokens
@@ -497,6 +537,7 @@ class DartESTrainer(_BaseTrainer):
         ):
             columns = rows.select(range(start, min(start + size, len(rows)))).to_dict()
             gen = self.rollout.generate(columns["prompt"])
+            check_population([gen], 1, len(columns["prompt"]))
             clipped = gen.num_clipped(self.args.max_completion_length, self.eos_token_ids)
             groups = {c: columns[c] for c in ACCURACY_GROUPS if c in columns}
             local.append((self._score(columns, [gen], 1), gen.num_tokens, clipped, groups))
@@ -540,13 +581,27 @@ class DartESTrainer(_BaseTrainer):
         super()._save_optimizer_and_scheduler(output_dir)
         if not self.args.should_save:
             return
+        state = {
+            **self.strategy.state_dict(),
+            "trajectory": trajectory_settings(self.args, self.es_params.names),
+        }
         with open(os.path.join(output_dir, DART_STATE_NAME), "w") as f:
-            json.dump(self.strategy.state_dict(), f)
+            json.dump(state, f)
         master = self.es_params.master_state_dict() if hasattr(self.es_params, "master_state_dict") else None
         if master:  # fp32 master weights of a 16-bit model: the saved model alone would lose precision
             save_file(
                 {k: v.contiguous() for k, v in master.items()}, os.path.join(output_dir, MASTER_WEIGHTS_NAME)
             )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # Before any weight is loaded: a resume under settings that change the trajectory is refused.
+        path = os.path.join(resume_from_checkpoint, DART_STATE_NAME)
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f).get("trajectory")
+            current = trajectory_settings(self.args, self.es_params.names)
+            check_resume_settings(saved, current, resume_from_checkpoint)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
