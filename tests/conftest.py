@@ -1,10 +1,17 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tracker tests write to a throw-away folder, not ~/.cache (trackio reads TRACKIO_DIR once, when imported).
+if "TRACKIO_DIR" not in os.environ:
+    os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trl-dart-es-trackio-")
+    atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], True)
 
 
 def make_tiny_llama(

@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-completion-length", type=int, default=6)
     p.add_argument("--ddp-timeout", type=int, default=1800)
+    p.add_argument("--log-completions", action="store_true", help="log_completions=True (parquet per step)")
     p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu=False (mis-launch on CPU)")
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-step", type=int, default=2)
@@ -101,6 +102,7 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
         logging_steps=1,
+        log_completions=cli.log_completions,
         **(
             dict(
                 use_vllm=True,
