@@ -157,3 +157,37 @@ def accuracy_by_group(solved: np.ndarray, columns: dict[str, Sequence[Any]]) -> 
         for value in sorted(set(values.tolist())):
             metrics[f"accuracy/{label}{value}"] = float(solved[values == value].mean())
     return metrics
+
+
+def held_out_metrics(
+    rewards: np.ndarray,
+    names: Sequence[str],
+    weights: np.ndarray,
+    *,
+    primary_reward_index: int,
+    solved_threshold: float,
+    tokens: int,
+    clipped: int,
+    groups: dict[str, Sequence[Any]],
+) -> dict[str, float]:
+    """The held-out metrics of one greedy evaluation, written once for the trainer (`evaluate_dataset`) and the
+    benchmark harness (`evaluate_greedy`), so that both measure the same thing.
+
+    `rewards` is (num_reward_funcs, rows); `tokens` and `clipped` count the rows' completion tokens and the rows
+    that hit the length limit before an EOS; `groups` holds the `ACCURACY_GROUPS` columns of the rows. Returns
+    `reward` (weighted sum of the rewards), `rewards/<name>/mean`, `accuracy` (rows whose primary reward reaches
+    `solved_threshold`), `completions/mean_length`, `completions/clipped_ratio` and `accuracy/<group><value>`.
+    """
+    empty = rewards.shape[1] == 0  # no rows: NaN, not a mean-of-empty warning
+    total = np.nansum(rewards * weights[:, None], axis=0)
+    metrics = {"reward": float("nan") if empty else float(total.mean())}
+    for k, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = float("nan") if empty else float(np.nanmean(rewards[k]))
+    solved = np.nan_to_num(rewards[primary_reward_index], nan=-np.inf) >= solved_threshold
+    metrics["accuracy"] = float("nan") if empty else float(solved.mean())
+    rows = max(1, rewards.shape[1])
+    metrics["completions/mean_length"] = tokens / rows
+    metrics["completions/clipped_ratio"] = clipped / rows
+    # Accuracy per difficulty level and per wording (seen in training or held out), where the rows say.
+    metrics.update(accuracy_by_group(solved, groups))
+    return metrics

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -264,15 +263,10 @@ def finished_run(path: str | Path, settings: Mapping[str, Any]) -> dict | None:
 
 # ----------------------------------------------------------------------------------------- child: one curve
 def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path | None:
-    """Where the untrained model's metrics are cached, for an embedded model only (fixed weights shipped in a
-    package: greedy evaluation is deterministic); the key holds everything that changes them, the held-out rows
+    """Where the untrained model's metrics are cached (the one cache of `trl_dart_es.trainer.baseline`, for an
+    embedded model only); the key holds everything that changes the harness's evaluation, the held-out rows
     themselves included."""
-    from ..embedded import embedded_cache_dir, is_embedded
-
-    if not is_embedded(workload.model) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return None
-    import torch
-    import transformers
+    from ..trainer.baseline import untrained_cache_file
 
     args = trainer.args
     parts = {
@@ -284,9 +278,8 @@ def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path 
         "peft": hasattr(trainer.model, "peft_config"),
         "reward_weights": [float(w) for w in (args.reward_weights or [])],
         "device": str(next(trainer.model.parameters()).device.type),
-        "versions": [torch.__version__, transformers.__version__],
     }  # fmt: skip
-    return embedded_cache_dir() / "baselines" / f"harness-{json_digest(parts, 24)}.json"
+    return untrained_cache_file(workload.model, parts, prefix="harness-")
 
 
 def curve_child(
@@ -294,6 +287,7 @@ def curve_child(
 ) -> dict[str, Any]:
     """In the child process: train one (method, seed) for the budget and return its curve."""
     from ..scoring import ACCURACY_GROUPS
+    from ..trainer.baseline import read_cached, write_cached
     from .evaluation import evaluate_trainer
     from .trainers import _per_step, es_trainer, grpo_trainer
     from .workload import held_out_set
@@ -322,15 +316,13 @@ def curve_child(
 
         # Step 0: the untrained model, from the cache when it cannot have changed.
         cache = _step0_cache_path(trainer, workload, method.kind, held_out)
-        cached = json.loads(cache.read_text()) if cache is not None and cache.is_file() else None
+        cached = read_cached(cache)
         point = clock.record(0, [0.0], cached)
         point["cached"] = cached is not None
-        if cache is not None and cached is None:
-            metrics = {k: v for k, v in point.items() if k == "accuracy" or k in _POINT_METRICS or "/" in k}
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(metrics, indent=1) + "\n")
-            tmp.replace(cache)  # atomic: a reader sees a whole file or none
+        if cached is None:
+            write_cached(
+                cache, {k: v for k, v in point.items() if k == "accuracy" or k in _POINT_METRICS or "/" in k}
+            )
 
         started, eval_before = time.perf_counter(), clock.eval_seconds
         trainer.train()

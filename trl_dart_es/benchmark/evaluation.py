@@ -32,18 +32,15 @@ def evaluate_greedy(
     """Greedy held-out metrics of any causal LM (plain, PEFT, ES- or GRPO-trained), with the generation and
     scoring code `DartESTrainer.evaluate` uses, so that every method is measured by the same function.
 
-    Returns `accuracy` (fraction of rows whose primary reward reaches `solved_threshold`), `reward` (weighted
-    sum of the rewards), `rewards/<name>/mean`, `completions/mean_length`, `completions/clipped_ratio` (rows that
-    hit `max_completion_length` before an EOS), `tokens_per_s` (generation only) and, where the rows carry a
-    `level` or `wording` column, `accuracy/level<k>` and `accuracy/wording_<value>` (the keys of
-    `DartESTrainer.evaluate_dataset`, without its `eval_` prefix).
+    Returns the metrics of `trl_dart_es.scoring.held_out_metrics` (the keys of `DartESTrainer.evaluate_dataset`,
+    without its `eval_` prefix: the same function computes both) and `tokens_per_s` (generation only).
     """
     import numpy as np
     import torch
 
     from ..rollout.prompts import as_completions
     from ..rollout.transformers import TransformersRollout, build_generation_config
-    from ..scoring import ACCURACY_GROUPS, RewardScorer, accuracy_by_group
+    from ..scoring import ACCURACY_GROUPS, RewardScorer, held_out_metrics
 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -86,19 +83,17 @@ def evaluate_greedy(
             rewards.append(scorer(columns["prompt"], completions, gen.token_ids, columns))
     finally:
         model.train(was_training)
-    r = np.concatenate(rewards, axis=1) if rewards else np.zeros((len(scorer), 0))
-    solved = np.nan_to_num(r[primary_reward_index], nan=-np.inf) >= solved_threshold
-    metrics = {
-        "accuracy": float(solved.mean()) if solved.size else float("nan"),
-        "reward": float(np.nansum(r * weights[:, None], axis=0).mean()) if r.size else float("nan"),
-    }
-    for k, name in enumerate(scorer.names):
-        metrics[f"rewards/{name}/mean"] = float(np.nanmean(r[k])) if r.size else float("nan")
-    metrics["completions/mean_length"] = tokens / max(1, r.shape[1])
-    metrics["completions/clipped_ratio"] = clipped / max(1, r.shape[1])
+    metrics = held_out_metrics(
+        np.concatenate(rewards, axis=1) if rewards else np.zeros((len(scorer), 0)),
+        scorer.names,
+        weights,
+        primary_reward_index=primary_reward_index,
+        solved_threshold=solved_threshold,
+        tokens=tokens,
+        clipped=clipped,
+        groups=groups,
+    )
     metrics["tokens_per_s"] = tokens / gen_time if gen_time > 0 else float("nan")
-    # Accuracy per difficulty level and per wording (seen in training or held out), as the trainer reports it.
-    metrics.update(accuracy_by_group(solved, groups))
     return metrics
 
 

@@ -4,15 +4,18 @@ Greedy evaluation of an embedded model (fixed weights shipped in a package) is d
 "before" column need not cost a full evaluation every run. The cache key holds everything that changes the
 result: the model, its dtype, the evaluation rows, the generation settings, the reward functions and weights,
 the batch size (padding) and the library versions. Anything else (hub models, several processes) is
-evaluated as usual.
+evaluated as usual. One cache for every caller: the recipe's before/after table and the study key it by the
+trainer's own evaluation (`baseline_cache_parts`), the benchmark harness by its greedy evaluation
+(`trl_dart_es.benchmark.curves`), both through `untrained_cache_file`, `read_cached` and `write_cached`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..digest import json_digest
 from ..embedded import embedded_cache_dir, is_embedded
@@ -23,13 +26,10 @@ if TYPE_CHECKING:
     from .dart_es_trainer import DartESTrainer
 
 
-def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str) -> str:
-    """A hash of everything that changes the untrained model's greedy held-out metrics."""
-    import torch
-    import transformers
-
+def baseline_cache_parts(trainer: DartESTrainer, dataset: Dataset, model_name: str) -> dict[str, Any]:
+    """Everything besides the library versions that changes the untrained model's greedy held-out metrics."""
     args = trainer.args
-    parts = {
+    return {
         "model": model_name,
         "dtype": str(next(trainer.model.parameters()).dtype),
         "rows": json_digest(dataset.to_dict()),
@@ -42,9 +42,47 @@ def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str
         "reward_weights": [float(w) for w in trainer.reward_weights],
         "solved_threshold": args.solved_threshold,
         "primary_reward_index": args.primary_reward_index,
-        "versions": [torch.__version__, transformers.__version__],
     }
-    return json_digest(parts, 24)
+
+
+def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str) -> str:
+    """A hash of everything that changes the untrained model's greedy held-out metrics."""
+    return cache_key(baseline_cache_parts(trainer, dataset, model_name))
+
+
+def cache_key(parts: Mapping[str, Any]) -> str:
+    """A hash of `parts` and of the library versions (which every key needs: they change generation)."""
+    import torch
+    import transformers
+
+    return json_digest({**parts, "versions": [torch.__version__, transformers.__version__]}, 24)
+
+
+def untrained_cache_file(
+    model_name: Any, parts: Mapping[str, Any], *, prefix: str = "", cache_dir: str | Path | None = None
+) -> Path | None:
+    """The file that holds the untrained model's metrics under the key `parts` (which must name everything that
+    changes them besides the model's weights and the library versions), or None where they may change: a model
+    that is not embedded (hub weights can be updated), or several processes."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not isinstance(model_name, str) or not is_embedded(model_name) or world > 1:
+        return None
+    folder = Path(cache_dir) if cache_dir is not None else embedded_cache_dir() / "baselines"
+    return folder / f"{prefix}{cache_key(parts)}.json"
+
+
+def read_cached(path: Path | None) -> dict[str, float] | None:
+    """The metrics stored at `path`, or None (no cache, or nothing stored yet)."""
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def write_cached(path: Path | None, metrics: Mapping[str, float]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dict(metrics), indent=1) + "\n")
+    tmp.replace(path)  # atomic: a reader sees a whole file or none
 
 
 def evaluate_untrained(
@@ -55,19 +93,14 @@ def evaluate_untrained(
     Returns the metrics and whether they came from the cache. Call it before `train()`: the key describes
     the untrained model only.
     """
-    if (
-        not isinstance(model_name, str)
-        or not is_embedded(model_name)
-        or trainer.accelerator.num_processes > 1
-    ):
-        return trainer.evaluate_dataset(dataset), False
-    folder = Path(cache_dir) if cache_dir is not None else embedded_cache_dir() / "baselines"
-    path = folder / f"{baseline_cache_key(trainer, dataset, model_name)}.json"
-    if path.is_file():
-        return json.loads(path.read_text()), True
+    path = None
+    if trainer.accelerator.num_processes == 1:
+        path = untrained_cache_file(
+            model_name, baseline_cache_parts(trainer, dataset, model_name), cache_dir=cache_dir
+        )
+    cached = read_cached(path)
+    if cached is not None:
+        return cached, True
     metrics = trainer.evaluate_dataset(dataset)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(metrics, indent=1) + "\n")
-    tmp.replace(path)  # atomic: a reader sees a whole file or none
+    write_cached(path, metrics)
     return metrics, False
