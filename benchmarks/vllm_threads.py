@@ -101,7 +101,8 @@ def measure(path: str, args: argparse.Namespace) -> dict:
             for how in ("memory", "files") if r % 2 == 0 else ("files", "memory"):
                 rollout.handover = how
                 t0 = time.perf_counter()
-                requests, folder = rollout._add_adapters(members)
+                requests, folder = rollout._adapter_requests(members)
+                rollout._add_adapters(members, requests)
                 t1 = time.perf_counter()
                 rollout._remove_adapters(requests, folder)
                 handover.setdefault(how, []).append(dict(add_s=t1 - t0, remove_s=time.perf_counter() - t1))

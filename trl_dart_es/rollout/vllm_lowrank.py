@@ -40,7 +40,8 @@ from transformers import GenerationConfig
 from ..lowrank import LowRankParameters, owning_module
 from ..noise import Member
 from .base import Generation
-from .vllm import VLLMRollout, _Engine, _is_peft_model, start_engine_for_trainer
+from .vllm import VLLMRollout
+from .vllm_engine import _Engine, _is_peft_model, start_engine_for_trainer
 
 __all__ = ["VLLMLowRankRollout", "member_adapter_tensors"]
 

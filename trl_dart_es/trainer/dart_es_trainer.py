@@ -28,9 +28,9 @@ from trl.trainer.base_trainer import _BaseTrainer
 from ..distributed import check_distributed_setup, gather_object_with_timeout
 from ..embedded import resolve_model_path
 from ..perturb import EvolvedParameters
+from ..rollout import build as build_rollout
 from ..rollout.base import check_population
 from ..rollout.prompts import as_completions
-from ..rollout.transformers import TransformersRollout, build_generation_config
 from ..scoring import ACCURACY_GROUPS, RewardScorer, accuracy_by_group
 from ..strategy import DartES
 from .dart_es_config import DartESConfig
@@ -260,7 +260,7 @@ class DartESTrainer(_BaseTrainer):
             self.es_params = EvolvedParameters(
                 self.model, args.sigma, exact_restore=args.exact_restore, cache_noise=self._use_noise_cache()
             )
-        self.rollout = self._build_rollout()
+        self.rollout = build_rollout(self)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_samples: list[tuple[str, str, float]] = []
         self._step_flops = 0
@@ -274,31 +274,6 @@ class DartESTrainer(_BaseTrainer):
         n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         members = math.ceil(self.args.population_size / self.accelerator.num_processes)
         return members * n_params * 4 <= self.args.noise_cache_max_gb * 2**30
-
-    def _build_rollout(self):
-        args = self.args
-        gen_config = build_generation_config(args, self.processing_class, self.eos_token_ids)
-        if args.use_vllm and args.perturbation == "lowrank":
-            from ..rollout.vllm_lowrank import VLLMLowRankRollout
-
-            return VLLMLowRankRollout.from_trainer(self, gen_config)
-        if args.use_vllm:
-            from ..rollout.vllm import VLLMRollout
-
-            return VLLMRollout.from_trainer(self, gen_config)
-        if args.perturbation == "lowrank":
-            from ..rollout.lowrank import LowRankRollout
-
-            return LowRankRollout.from_trainer(self, gen_config)
-        return TransformersRollout(
-            self.model,
-            self.processing_class,
-            gen_config,
-            self.es_params,
-            batch_size=args.generation_batch_size,
-            chat_template_kwargs=args.chat_template_kwargs,
-            sampling_seed=args.seed,
-        )
 
     def _send_telemetry(self):  # no phoning home from an ES trainer
         return
