@@ -8,11 +8,35 @@ Any field of TaskArguments (TRL's ScriptArguments plus the task options and `rew
 trl_dart_es/tasks/arguments.py), DartESConfig or ModelConfig can be set in the YAML or on the command line.
 """
 
+import os
+import sys
+
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dart_es import DartESConfig, DartESTrainer
 from trl_dart_es.tasks.arguments import TaskArguments
 from trl_dart_es.trainer.baseline import evaluate_untrained
+from trl_dart_es.training_curve import plot_training_curve
+
+
+def report_where(trainer: DartESTrainer, curve: str) -> None:
+    """Print where the run's logs and picture are, and how to open the trackers' dashboards on them."""
+    args = trainer.args
+    report_to = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
+    print(f"\nTraining curve (reward and fitness per step, held-out accuracy): {curve}")
+    print(
+        f"Every logged metric, per step: {os.path.join(args.output_dir, 'trainer_state.json')} (log_history)"
+    )
+    if args.log_completions:
+        print(
+            f"Completions, one parquet file per logged step: {os.path.join(args.output_dir, 'completions')}"
+        )
+    if "trackio" in report_to:
+        trackio_utils = sys.modules.get("trackio.utils")
+        store = str(trackio_utils.TRACKIO_DIR) if trackio_utils else os.environ.get("TRACKIO_DIR", "")
+        print(f'Dashboard (trackio, local): TRACKIO_DIR={store} trackio show --project "{args.project}"')
+    if "tensorboard" in report_to:
+        print(f"Dashboard (TensorBoard): tensorboard --logdir {os.path.join(args.output_dir, 'runs')}")
 
 
 def main(script_args: TaskArguments, training_args: DartESConfig, model_args: ModelConfig) -> None:
@@ -27,6 +51,12 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
         "dtype": model_args.dtype or "float32",
         **(training_args.model_init_kwargs or {}),
     }
+    # trackio's local store goes with the run's other outputs unless TRACKIO_DIR says otherwise; trackio reads it
+    # when first imported, which the trainer's tracker callback does.
+    if "trackio" in (training_args.report_to or []):
+        os.environ.setdefault(
+            "TRACKIO_DIR", os.path.join(os.path.abspath(training_args.output_dir), "trackio")
+        )
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=script_args.load_reward_funcs(),  # `reward_funcs` in the config; unset: correctness, format
@@ -46,7 +76,15 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
     after = trainer.evaluate_dataset(eval_dataset)
 
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: log_history, the metrics every tracker received
     if trainer.is_world_process_zero():
+        curve = plot_training_curve(
+            trainer.state.log_history,
+            os.path.join(training_args.output_dir, "training_curve.png"),
+            before=before["eval_accuracy"],
+            after=after["eval_accuracy"],
+            title=f"DART-ES on {name}",
+        )
         width = max(map(len, before))
         print(
             f"\nHeld-out: {len(eval_dataset)} prompts of {name} ({script_args.dataset_test_split} split), greedy, "
@@ -61,6 +99,7 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
             f"\nAccuracy {100 * before['eval_accuracy']:.1f}% -> {100 * after['eval_accuracy']:.1f}% ({gain:+.1f} points)"
         )
         print(f"Model saved to {training_args.output_dir}")
+        report_where(trainer, curve)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=name)
     # Destroy the process group before exit, as Accelerate advises. Under ZeRO-3 a rank still, rarely, aborts in

@@ -1,5 +1,6 @@
 """The GSM8K recipe runs end to end from a YAML config (TrlParser), on a tiny model saved to disk."""
 
+import json
 import os
 import subprocess
 import sys
@@ -35,12 +36,17 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
                 # TRL's GRPO-script convention: rewards by name, one weight each.
                 "reward_funcs: [gsm8k_accuracy_reward, gsm8k_format_reward, gsm8k_step_reward]",
                 "reward_weights: [1.0, 0.1, 0.5]",
-                "report_to: none",
+                # the demo's logging: a local trackio store, completions to parquet
+                "report_to: trackio",
+                "project: recipe-test",
+                "log_completions: true",
+                "num_completions_to_print: 1",
                 "disable_tqdm: true",
             ]
         )
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("TRACKIO_DIR", None)  # the recipe's own default: the store goes with the run's outputs
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "dart_es_gsm8k.py"), "--config", str(config), "--seed", "3"],
         capture_output=True,
@@ -54,3 +60,11 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
     assert "eval_rewards/gsm8k_step_reward/mean" in proc.stdout
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
     assert "dart-es" in (out / "README.md").read_text()
+    # The demo's picture and logs, and the printed pointers to them.
+    assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"{out / 'training_curve.png'}" in proc.stdout
+    assert (out / "completions" / "completions_00001.parquet").exists()
+    assert json.loads((out / "trainer_state.json").read_text())["log_history"][0]["reward"] is not None
+    store = out / "trackio"
+    assert (store / "recipe-test.db").exists()
+    assert f'TRACKIO_DIR={store} trackio show --project "recipe-test"' in proc.stdout

@@ -62,6 +62,7 @@ def _common_values(workload: Workload, output_dir: str) -> dict[str, Any]:
         "save_strategy": "no",
         "eval_strategy": "no",
         "report_to": "none",
+        "log_completions": False,  # the demo config logs completions; a benchmark times training alone
         "disable_tqdm": True,
     }
 

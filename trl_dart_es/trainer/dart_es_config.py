@@ -269,10 +269,18 @@ class DartESConfig(TrainingArguments):
 
     # Logging
     log_completions: bool = field(
-        default=False, metadata={"help": "Print a sample of prompts and completions at each logging step."}
+        default=False,
+        metadata={
+            "help": "As in GRPO: at each logging step, print a rich table of sample completions, write every member's "
+            "completions of the step to `output_dir/completions/completions_<step>.parquet`, and send a `completions` "
+            "table to trackio/wandb (TensorBoard: Markdown text) when they are in `report_to`."
+        },
     )
     num_completions_to_print: int | None = field(
-        default=4, metadata={"help": "How many completions to print with `log_completions`."}
+        default=4,
+        metadata={
+            "help": "Rows of the console table with `log_completions` (None: all; the files get every row)."
+        },
     )
 
     def __post_init__(self):
