@@ -1,7 +1,7 @@
 """A study-only reward: partial credit for a final answer numerically close to the reference.
 
-`python benchmarks/study.py --variants demo-close` names it by import path (`benchmarks.closeness_reward.
-gsm8k_closeness_reward`), as a TRL user names a reward of their own. Not in `trl_dart_es.rewards`: the study
+`python -m trl_dart_es.benchmark --curves --preset demo-close` (from the repository's root) names it by import
+path (`benchmarks.closeness_reward.gsm8k_closeness_reward`), as a TRL user names a reward of their own. Not in `trl_dart_es.rewards`: the study
 found it does not help (results/study.md, variant demo-close), and a reward that pays wrong answers invites reward hacking.
 """
 

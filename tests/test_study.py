@@ -1,6 +1,6 @@
-"""The learning study's runner (benchmarks/study.py): every variant is a valid trainer config."""
+"""The learning study's presets of `--curves` (trl_dart_es/benchmark/study.py, benchmarks/study_presets.yaml):
+every preset is a valid trainer config."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -8,25 +8,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trl_dart_es.benchmark import study
+from trl_dart_es.benchmark.clock import StepClock
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_study():
-    spec = importlib.util.spec_from_file_location("dart_es_study", ROOT / "benchmarks" / "study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-study = _load_study()
-
-
-@pytest.mark.parametrize("name", sorted(study.VARIANTS))
+@pytest.mark.parametrize("name", sorted(study.presets()))
 def test_every_variant_builds_a_valid_config(name, tmp_path):
     # A misspelled or out-of-range override fails here (DartESConfig checks its values), not an hour into a run.
-    overrides = study.VARIANTS[name]
-    script_args, cfg, _, style, budget = study.variant_config(
+    overrides = study.presets()[name]
+    script_args, cfg, _, style, budget = study.preset_config(
         name, seed=3, output_dir=str(tmp_path), eval_every=10
     )
     for key, value in overrides.items():
@@ -55,20 +47,20 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
 
 
 def test_a_misspelled_override_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(study.VARIANTS, "typo", {**study.VARIANTS["lr-answer32"], "sigmaa": 1e-3})
+    monkeypatch.setitem(study.presets(), "typo", {**study.presets()["lr-answer32"], "sigmaa": 1e-3})
     with pytest.raises((ValueError, TypeError), match="sigmaa"):
-        study.variant_config("typo", seed=0, output_dir=str(tmp_path), eval_every=10)
+        study.preset_config("typo", seed=0, output_dir=str(tmp_path), eval_every=10)
 
 
 def test_pairs_name_defined_variants():
-    for first, second in study.PAIRS:
-        assert first in study.VARIANTS and second in study.VARIANTS
+    for first, second in study.pairs():
+        assert first in study.presets() and second in study.presets()
 
 
 def test_train_clock_evaluates_the_last_step_and_stops_at_the_budget():
     from transformers import TrainerControl, TrainerState
 
-    clock = study._train_clock(budget_s=None)
+    clock = StepClock(budget_s=None)
     callback = clock.callback(evaluate_last=True)
     state, control = TrainerState(max_steps=8), TrainerControl()
     for step in range(1, 9):
@@ -79,7 +71,7 @@ def test_train_clock_evaluates_the_last_step_and_stops_at_the_budget():
         control.should_evaluate = False
     assert not control.should_training_stop and sorted(clock.at_step) == list(range(1, 9))
 
-    timed = study._train_clock(budget_s=0.0).callback(evaluate_last=True)  # any step spends the budget
+    timed = StepClock(budget_s=0.0).callback(evaluate_last=True)  # any step spends the budget
     state, control = TrainerState(max_steps=100), TrainerControl()
     state.global_step = 1
     timed.on_step_begin(None, state, control)
@@ -89,32 +81,31 @@ def test_train_clock_evaluates_the_last_step_and_stops_at_the_budget():
 
 def test_the_demo_config_is_the_study_variant_it_names():
     """quickstart.yaml runs the study's `demo` variant: N4xB32 for a fixed step count, default LoRA kernel."""
-    demo = yaml.safe_load((study.ROOT / "recipes" / "configs" / "quickstart.yaml").read_text())
-    variant = study.VARIANTS["demo"]
+    demo = yaml.safe_load((ROOT / "recipes" / "configs" / "quickstart.yaml").read_text())
+    variant = study.presets()["demo"]
     assert {k: demo.get(k) for k in variant} == variant
     base = yaml.safe_load(study.CONFIG.read_text())  # what the variant does not override is the study's base
     rest = set(demo) - set(variant) - {"output_dir", "eval_num_examples"}
     assert {k: demo[k] for k in rest} == {k: base.get(k) for k in rest}
     assert "vllm_lora_kernel" not in demo and demo["eval_num_examples"] >= 256
     # Against the confirmed N4xB32 variant only the run length (steps, not a time budget) and the kernel differ.
-    confirmed = study.VARIANTS["vl-answer64-n4b32-anti"]
+    confirmed = study.presets()["vl-answer64-n4b32-anti"]
     differ = {k for k in {*confirmed, *variant} if confirmed.get(k) != variant.get(k)}
     assert differ == {"budget_minutes", "vllm_lora_kernel", "max_steps"}
 
 
 def test_the_demo_es_twin_differs_only_in_the_two_dart_switches():
     """`demo-es` is es_quickstart.yaml as the study runs it: DART-ES's two switches off, nothing else changed."""
-    demo, twin = study.VARIANTS["demo"], study.VARIANTS["demo-es"]
+    demo, twin = study.presets()["demo"], study.presets()["demo-es"]
     differ = {k for k in {*demo, *twin} if demo.get(k) != twin.get(k)}
     assert differ == {"use_difficulty_reweighting", "use_targeted_replay"}
     assert not twin["use_difficulty_reweighting"] and not twin["use_targeted_replay"]
-    es = yaml.safe_load((study.ROOT / "recipes" / "configs" / "es_quickstart.yaml").read_text())
+    es = yaml.safe_load((ROOT / "recipes" / "configs" / "es_quickstart.yaml").read_text())
     assert {k: es.get(k) for k in twin} == twin
-    assert ("demo", "demo-es") in study.PAIRS
+    assert ("demo", "demo-es") in study.pairs()
 
 
-def test_pairs_compare_final_accuracy_and_gain_by_seed(monkeypatch):
-    monkeypatch.setattr(study, "PAIRS", [("a", "b")])
+def test_pairs_compare_final_accuracy_and_gain_by_seed():
 
     def run(variant, seed, start, end):
         return {"variant": variant, "seed": seed, "points": [{"accuracy": start}, {"accuracy": end}]}
@@ -126,7 +117,7 @@ def test_pairs_compare_final_accuracy_and_gain_by_seed(monkeypatch):
         run("b", 1, 0.20, 0.24),
     ]
     runs.append(run("b", 2, 0.20, 0.30))  # no twin: not paired
-    (pair,) = study._paired(runs)
+    (pair,) = study._paired(runs, [("a", "b")])
     assert pair["seeds"] == [0, 1]
     assert pair["differences"] == pytest.approx([0.15, 0.12])
     assert pair["gain_differences"] == pytest.approx([0.05, 0.02])
@@ -138,9 +129,9 @@ def test_a_variant_may_set_its_own_eval_interval(tmp_path):
 
     args = argparse.Namespace(eval_prompts=256, eval_every=10)
     assert study.eval_every("demo", args) == 10
-    assert study.eval_every("demo-long", args) == study.VARIANTS["demo-long"]["eval_every"] != 10
+    assert study.eval_every("demo-long", args) == study.presets()["demo-long"]["eval_every"] != 10
     every = study.eval_every("demo-long", args)
-    _, cfg, *_ = study.variant_config("demo-long", seed=0, output_dir=str(tmp_path), eval_every=every)
+    _, cfg, *_ = study.preset_config("demo-long", seed=0, output_dir=str(tmp_path), eval_every=every)
     assert cfg.eval_steps == every
     # A rerun at another interval is another run.
     assert study._settings("demo-long", args)["eval_every"] == every
@@ -148,7 +139,7 @@ def test_a_variant_may_set_its_own_eval_interval(tmp_path):
 
 def test_a_variant_may_train_on_some_levels_only():
     # The train set keeps only the variant's levels (the held-out set is the study's, all levels).
-    levels = study.VARIANTS["demo-l12"]["train_levels"]
+    levels = study.presets()["demo-l12"]["train_levels"]
     train = study.train_split("demo-l12", "embedded:gsm8k", "answer")
     assert sorted(set(train["level"])) == sorted(levels) and len(train) > 0
     assert sorted(set(study.train_split("demo", "embedded:gsm8k", "answer")["level"])) == [1, 2, 3]
@@ -161,3 +152,43 @@ def test_the_closeness_reward_scores_distance_to_the_answer():
     scores = closeness(["#### 10", "#### 20", "so 15", "no number", "#### 3"], ["10", "10", "10", "10", "x"])
     assert scores[0] == 1.0 and scores[1] == pytest.approx(0.5) and scores[3] == 0.0 and scores[4] is None
     assert scores[1] < scores[2] < scores[0]  # nearer is better, by the last number when there is no ####
+
+
+def test_a_preset_applies_its_bases_then_drops_then_its_own_keys(tmp_path):
+    path = tmp_path / "presets.yaml"
+    path.write_text(
+        "_a: {x: 1, y: 2, z: 3}\n_b: {y: 20}\n"
+        "p: {base: [_a, _b], drop: [z], x: 10, w: 4}\n"
+        "q: {base: p, drop: [w], z: 30}\n"
+        "_pairs: [[p, q]]\n"
+    )
+    presets, pairs = study.load_presets(path)
+    assert list(presets) == ["p", "q"] and pairs == [("p", "q")]
+    assert list(presets["p"].items()) == [("x", 10), ("y", 20), ("w", 4)]  # a base's key keeps its place
+    assert list(presets["q"].items()) == [("x", 10), ("y", 20), ("z", 30)]
+
+
+def test_the_study_report_rebuilds_from_the_run_files_through_the_harness(tmp_path, capsys):
+    """`--curves --preset` (no names) writes study.{json,md,png} from the finished runs; old runs still count."""
+    from trl_dart_es import benchmark as bench
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    settings = {"variant": study.presets()["demo"], "eval_prompts": 256, "eval_every": 10}
+    for seed, end in ((0, 0.30), (1, 0.32)):
+        run = {"variant": "demo", "seed": seed, "settings": settings, "train_seconds": 600.0,
+               "points": [{"step": 0, "train_seconds": 0.0, "accuracy": 0.25, "groups": {}},
+                          {"step": 18, "train_seconds": 600.0, "accuracy": end, "groups": {}}],
+               "machine": "cpu, 2 cores", "date": "2026-12-01 00:00 UTC"}  # fmt: skip
+        (runs / f"demo-seed{seed}.json").write_text(json.dumps(run))
+    stale = {**run, "seed": 2, "settings": {**settings, "eval_prompts": 128}}  # other settings: left out
+    (runs / "demo-seed2.json").write_text(json.dumps(stale))
+    bench.main(["--curves", "--preset", "--runs-dir", str(runs), "--output-dir", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "study.md").read_text()
+    assert "| demo | 0, 1 | 2304 | 25.0% | 31.0% | +6.0 |" in md
+    assert "`python -m trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>`" in md
+    assert (tmp_path / "out" / "study.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="unknown presets"):
+        bench.main(["--curves", "--preset", "no-such-preset", "--runs-dir", str(runs)])
+    with pytest.raises(SystemExit, match="--methods"):
+        bench.main(["--curves", "--preset", "demo", "--methods", "grpo"])

@@ -16,6 +16,7 @@ Modules:
 - `run`: the side-by-side rows (each method's runner, step times);
 - `report`: latest.{json,md,png} of the side-by-side benchmark;
 - `curves`: `--curves`, accuracy against a training-time budget (`run_curve`) and its report;
+- `study`: `--curves --preset`, the learning study's presets (benchmarks/study_presets.yaml) and its report;
 - `stats`: paired t-intervals and the bootstrap, without scipy;
 - `machine`: the machine a measurement ran on; `cli`: the command line.
 

@@ -6,6 +6,8 @@ python -m trl_dart_es.benchmark --methods grpo,es --steps 4 --output-dir outputs
 python -m trl_dart_es.benchmark --curves                 # accuracy vs training time, 3 seeds x 4 methods
 python -m trl_dart_es.benchmark --curves --methods dart-es --seeds 0 --budget-minutes 5
 python -m trl_dart_es.benchmark --curves --report-only   # rebuild curves.{json,md,png} from the run files
+python -m trl_dart_es.benchmark --curves --preset demo demo-es --seeds 0 1 2   # the learning study's presets
+python -m trl_dart_es.benchmark --curves --preset        # rebuild results/study.{json,md,png}
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from .curves import (
 from .methods import CURVE_METHODS, DEFAULT_METHODS, METHODS
 from .report import merge_rows, render_markdown, write_reports
 from .run import run_benchmark
+from .study import DEFAULT_EVAL_EVERY, DEFAULT_EVAL_PROMPTS, study_main
+from .study import DEFAULT_RUNS_DIR as STUDY_RUNS_DIR
 from .workload import DEFAULT_OUTPUT_DIR, FULL, SHORT, Workload
 
 
@@ -90,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     curves = p.add_argument_group("accuracy against training time (--curves)")
     curves.add_argument("--curves", action="store_true",
                         help="train each method x seed for a budget of training seconds, evaluating at marks")  # fmt: skip
-    curves.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
-                        help="training seeds, one run per method and seed; default: %(default)s")  # fmt: skip
+    curves.add_argument("--seeds", type=int, nargs="+",
+                        help=f"training seeds, one run per method and seed; default: {list(DEFAULT_SEEDS)} "
+                             "(--preset: [0])")  # fmt: skip
     curves.add_argument("--budget-minutes", type=float, default=DEFAULT_BUDGET_MINUTES,
                         help="training time per run, evaluation excluded; default: %(default)s")  # fmt: skip
     curves.add_argument("--eval-at-minutes", type=float, nargs="+", default=list(DEFAULT_EVAL_AT_MINUTES),
@@ -104,14 +109,23 @@ def _parser() -> argparse.ArgumentParser:
     curves.add_argument(
         "--tag", help="names these runs: <method>-seed<k>-<tag>.json and curves-<tag>.{json,md,png}"
     )
-    curves.add_argument("--runs-dir", default=str(DEFAULT_RUNS_DIR),
-                        help="one JSON per finished (method, seed) run; default: %(default)s")  # fmt: skip
+    curves.add_argument("--runs-dir",
+                        help=f"one JSON per finished (method, seed) run; default: {DEFAULT_RUNS_DIR} (--preset: "
+                             f"{STUDY_RUNS_DIR})")  # fmt: skip
     curves.add_argument(
         "--image", default=None, help=f"the plot (default: {DEFAULT_IMAGE}, or curves-<tag>.png)"
     )
     curves.add_argument("--report-only", action="store_true",
                         help="train nothing: rebuild the report from the finished runs")  # fmt: skip
     curves.add_argument("--force", action="store_true", help="rerun finished runs too")
+    curves.add_argument("--preset", nargs="*", metavar="PRESET",
+                        help="the learning study instead of methods: train these presets (benchmarks/"
+                             "study_presets.yaml, overrides of quickstart_fullrank.yaml) for their steps in-process, "
+                             "evaluated by the trainer every --eval-every steps on --eval-prompts (default "
+                             f"{DEFAULT_EVAL_PROMPTS}); then write study.{{json,md,png}}. No names: the report only")  # fmt: skip
+    curves.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
+                        help="--preset: steps between evaluations (a preset's own eval_every wins); "
+                             "default: %(default)s")  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
 
@@ -156,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
     args = _parser().parse_args(argv)
     if args.child:
         raise SystemExit(child_main(args.child))
+    if args.preset is not None:
+        return _study(args)
+    args.seeds = list(DEFAULT_SEEDS) if args.seeds is None else args.seeds
+    args.runs_dir = args.runs_dir or str(DEFAULT_RUNS_DIR)
     default = CURVE_METHODS if args.curves else DEFAULT_METHODS
     if args.methods is None:
         methods = list(default)
@@ -183,3 +201,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
     print(render_markdown(rows, workload))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return rows
+
+
+def _study(args: argparse.Namespace) -> None:
+    """`--curves --preset`: the learning study (`study.study_main`), with the study's own defaults."""
+    if not args.curves:
+        raise SystemExit("--preset runs the learning study's presets as curves: add --curves")
+    unused = ["methods", "set", "tag", "image", "model", "dataset", "population", "prompts", "max_completion_length",
+              "eval_batch_size", "dtype", "device", "config_dir", "timeout", "work_dir", "full", "steps",
+              "warmup_steps", "seed", "merge"]  # fmt: skip
+    given = [f for f in unused if getattr(args, f) not in (None, False)]
+    if given:
+        raise SystemExit(
+            f"--preset does not use {', '.join('--' + f.replace('_', '-') for f in given)}: a preset sets them"
+        )
+    args.seeds = [0] if args.seeds is None else args.seeds
+    args.runs_dir = args.runs_dir or str(STUDY_RUNS_DIR)
+    args.eval_prompts = args.eval_prompts or DEFAULT_EVAL_PROMPTS
+    study_main(args, args.preset)

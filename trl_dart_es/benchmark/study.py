@@ -1,0 +1,368 @@
+"""The learning study behind the defaults, as presets of `--curves`: which settings make DART-ES learn on the
+embedded model.
+
+    python -m trl_dart_es.benchmark --curves --preset demo --seeds 0        # screen one preset on one seed
+    python -m trl_dart_es.benchmark --curves --preset demo --seeds 0 1 2    # confirm (finished runs are skipped)
+    python -m trl_dart_es.benchmark --curves --preset                       # redraw results/study.{json,md,png}
+
+Every preset is the pre-study demo recipe (recipes/configs/quickstart_fullrank.yaml, kept fixed) with the
+overrides in benchmarks/study_presets.yaml, trained for its number of steps (or its train-time budget). Unlike a
+curve (a method's recipe, marks of training time, the harness's greedy evaluation), a preset keeps the study's
+schedule, so that its numbers mean what they meant: held-out greedy accuracy of the unperturbed model by the
+trainer's own evaluation (`DartESTrainer.evaluate`, on `--eval-prompts` test prompts, default 256, disjoint from
+train, in the preset's prompt style and completion length) at step 0 (the one cache of the untrained score),
+every `--eval-every` steps (or the preset's own `eval_every`) and at the last step. Training time is the
+harness's `StepClock` (ES steps only, not evaluation). Each finished (preset, seed) is written to
+results/study_runs/ at once, so an interrupted study loses at most the run in progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .clock import StepClock
+from .machine import machine_description, utc_now
+from .stats import paired_t_interval
+from .workload import REPO_ROOT
+
+CONFIG = REPO_ROOT / "recipes" / "configs" / "quickstart_fullrank.yaml"
+PRESETS_FILE = REPO_ROOT / "benchmarks" / "study_presets.yaml"
+DEFAULT_RUNS_DIR = Path("results") / "study_runs"
+DEFAULT_EVAL_PROMPTS = 256
+DEFAULT_EVAL_EVERY = 10
+
+
+def load_presets(path: str | Path = PRESETS_FILE) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
+    """(preset name -> overrides of quickstart_fullrank.yaml, in file order; the (first, second) pairs of the
+    report). A preset's `base` presets are applied first, in order, then its `drop` keys removed, then its own
+    keys set (so a key keeps its base's place); names starting with `_` are bases only."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text())
+    pairs = [tuple(pair) for pair in raw.pop("_pairs", [])]
+    resolved: dict[str, dict[str, Any]] = {}
+    for name, spec in raw.items():
+        spec = dict(spec)
+        bases = spec.pop("base", [])
+        values: dict[str, Any] = {}
+        for base in [bases] if isinstance(bases, str) else bases:
+            values.update(resolved[base])
+        for key in spec.pop("drop", []):
+            del values[key]
+        resolved[name] = {**values, **spec}
+    return {k: v for k, v in resolved.items() if not k.startswith("_")}, pairs
+
+
+def presets() -> dict[str, dict[str, Any]]:
+    """The presets of benchmarks/study_presets.yaml, read once (on first use: the harness's parent process reads
+    no file it does not need)."""
+    return _presets_and_pairs()[0]
+
+
+def pairs() -> list[tuple[str, str]]:
+    """The (first, second) presets the report pairs by seed."""
+    return _presets_and_pairs()[1]
+
+
+@functools.cache
+def _presets_and_pairs() -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
+    return load_presets()
+
+
+def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "variant": presets()[name],
+        "eval_prompts": args.eval_prompts,
+        "eval_every": eval_every(name, args),
+    }
+
+
+def eval_every(name: str, args: argparse.Namespace) -> int:
+    """Steps between held-out evaluations: the preset's own `eval_every` (a long run), else `--eval-every`."""
+    return presets()[name].get("eval_every", args.eval_every)
+
+
+def _machines(runs: list[dict]) -> str:
+    """The CPUs the runs came from, with their counts: one study spans several machines of this kind."""
+    counts = Counter(r["machine"].split(",")[0] for r in runs)
+    return ", ".join(f"{cpu} ({n} runs)" for cpu, n in counts.most_common())
+
+
+def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tuple:
+    """``(script_args, DartESConfig, model_args, prompt_style, budget_minutes)`` of one (preset, seed) run:
+    quickstart_fullrank.yaml with the preset's overrides; a budget replaces the step count (the clock stops
+    the run)."""
+    from ..trainer import DartESConfig
+    from .trainers import parse_recipe_config
+
+    variant = dict(presets()[name])
+    style = variant.pop("prompt_style", "steps")
+    budget = variant.pop("budget_minutes", None)
+    variant.pop("train_levels", None)  # the train split's difficulty levels: run_one's, not the config's
+    variant.pop("eval_every", None)  # the caller's `eval_every` argument
+    if budget:
+        variant["max_steps"] = 10_000
+    values = {
+        **variant, "seed": seed, "output_dir": output_dir, "eval_strategy": "steps", "eval_steps": eval_every,
+        "per_device_eval_batch_size": 64, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+        "disable_tqdm": True,
+    }  # fmt: skip
+    script_args, cfg, model_args = parse_recipe_config(DartESConfig, CONFIG, values)
+    cfg.model_init_kwargs = {"dtype": model_args.dtype or "float32"}
+    return script_args, cfg, model_args, style, budget
+
+
+def train_split(name: str, dataset_name: str, style: str):
+    """The preset's train set: the task's train split in `style`, restricted to its `train_levels` if set."""
+    from ..tasks import load_task_dataset
+
+    levels = presets()[name].get("train_levels")
+    options = {"levels": tuple(levels)} if levels else {}
+    return load_task_dataset(dataset_name, "train", prompt_style=style, **options)
+
+
+def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one (preset, seed) run in this process; return its held-out accuracy curve against steps and train
+    seconds."""
+    from ..tasks import load_task_dataset
+    from ..trainer import DartESTrainer
+    from ..trainer.baseline import evaluate_untrained
+
+    with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
+        script_args, cfg, model_args, style, budget = preset_config(name, seed, out, eval_every(name, args))
+        train = train_split(name, script_args.dataset_name, style)
+        held_out = load_task_dataset(
+            script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts
+        )
+        clock = StepClock(budget * 60 if budget else None)
+        trainer = DartESTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=script_args.load_reward_funcs(),
+            args=cfg,
+            train_dataset=train,
+            eval_dataset=held_out,
+            callbacks=[clock.callback(evaluate_last=True)],
+        )
+        # Greedy evaluation of the untrained model is deterministic: cached, keyed by all that changes it.
+        at_start, _ = evaluate_untrained(trainer, held_out, model_args.model_name_or_path)
+        started = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - started
+        history = trainer.state.log_history
+
+    def groups(metrics: dict[str, Any]) -> dict[str, float]:  # held-out accuracy per level and wording
+        return {
+            k.removeprefix("eval_accuracy/"): v for k, v in metrics.items() if k.startswith("eval_accuracy/")
+        }
+
+    points = [
+        {"step": 0, "train_seconds": 0.0, "accuracy": at_start["eval_accuracy"], "groups": groups(at_start)}
+    ]
+    for e in history:
+        if "eval_accuracy" in e:
+            step = int(e["step"])
+            points.append(
+                {
+                    "step": step,
+                    "train_seconds": clock.at_step[step],
+                    "accuracy": e["eval_accuracy"],
+                    "groups": groups(e),
+                }
+            )
+    train_log = [
+        {k: e[k] for k in ("step", "reward", "rewards/gsm8k_format_reward/mean", "completions/mean_length",
+                           "dart/frac_solved_by_none", "dart/frac_solved_by_all", "dart/buffer_size") if k in e}
+        for e in history if "reward" in e
+    ]  # fmt: skip
+    del trainer
+    gc.collect()
+    return {
+        "variant": name, "seed": seed, "settings": _settings(name, args), "points": points,
+        "train_seconds": clock.train_seconds, "wall_s": wall, "train_log": train_log, "machine": machine_description(),
+        "date": utc_now(),
+    }  # fmt: skip
+
+
+def run_path(runs_dir: str | Path, name: str, seed: int) -> Path:
+    return Path(runs_dir) / f"{name}-seed{seed}.json"
+
+
+def load_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The finished runs in `args.runs_dir` of known presets whose settings are the current ones."""
+    runs = []
+    for path in sorted(Path(args.runs_dir).glob("*-seed*.json")):
+        run = json.loads(path.read_text())
+        if run["variant"] in presets() and run["settings"] == _settings(run["variant"], args):
+            runs.append(run)
+    return runs
+
+
+def report(args: argparse.Namespace) -> None:
+    """Write `<output_dir>/study.{json,md,png}` over every finished run with the current settings."""
+    runs = load_runs(args)
+    if not runs:
+        print("no finished runs", file=sys.stderr)
+        return
+    rows = []
+    for name in presets():
+        mine = [r for r in runs if r["variant"] == name]
+        if not mine:
+            continue
+        gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in mine]
+        mean, lo, hi = paired_t_interval(gains)
+        v = presets()[name]
+        rows.append({
+            "variant": name, "seeds": sorted(r["seed"] for r in mine),
+            "acc_start": mine[0]["points"][0]["accuracy"],
+            "acc_final_mean": statistics.fmean(r["points"][-1]["accuracy"] for r in mine),
+            "gain_mean": mean, "gain_ci95": [lo, hi], "gains": gains,
+            "train_min": statistics.fmean(r["train_seconds"] for r in mine) / 60,
+            "steps": statistics.fmean(r["points"][-1]["step"] for r in mine),
+            "rollouts": mine[0]["points"][-1]["step"] * v["population_size"] * v["per_device_train_batch_size"],
+        })  # fmt: skip
+    out = Path(args.output_dir) / "study"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paired = _paired(runs, pairs())
+    out.with_suffix(".json").write_text(
+        json.dumps({"rows": rows, "pairs": paired, "runs": runs}, indent=1) + "\n"
+    )
+    lines = [
+        "# Learning study: what makes DART-ES learn on the embedded model",
+        "",
+        f"Held-out: greedy accuracy on {args.eval_prompts} test prompts (one prompt = "
+        f"{100 / args.eval_prompts:.2f} points). Command (a row: its variant and seeds): `python -m"
+        " trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>` (finished runs are skipped; `--curves"
+        " --preset` alone rebuilds this page); runs in `results/study_runs/`. Machines (each run's file names its"
+        f" own): {_machines(runs)};"
+        f" last run {max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured on machines"
+        " of different speed, some while other jobs shared the 2 cores, so compare them only roughly.",
+        "",
+        "| variant | seeds | rollouts | acc. step 0 | final (mean) | gain (mean) | gain 95% CI | gains per seed | train min |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for r in rows:
+        ci = (
+            "n/a"
+            if math.isnan(r["gain_ci95"][0])
+            else f"[{100 * r['gain_ci95'][0]:+.1f}, {100 * r['gain_ci95'][1]:+.1f}]"
+        )
+        lines.append(
+            f"| {r['variant']} | {', '.join(map(str, r['seeds']))} | {r['rollouts']} | {100 * r['acc_start']:.1f}% "
+            f"| {100 * r['acc_final_mean']:.1f}% | {100 * r['gain_mean']:+.1f} | {ci} "
+            f"| {', '.join(f'{100 * g:+.1f}' for g in r['gains'])} | {r['train_min']:.1f} |"
+        )
+    if paired:
+        lines += [
+            "",
+            "Paired by seed (the first minus the second, in points; 95% t-interval), on final accuracy and on the"
+            " gain over each variant's own step 0:",
+            "",
+            "| first | second | seeds | measure | differences | mean | 95% CI | |",
+            "| --- | --- | --- | --- | --- | ---: | --- | --- |",
+        ]
+        for p in paired:
+            for measure, key in (("final accuracy", ""), ("gain", "gain_")):
+                lo, hi = p[f"{key}ci95"]
+                verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
+                lines.append(
+                    f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} | {measure} "
+                    f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
+                    f"| {100 * p[f'{key}mean']:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
+                )
+    lines += [
+        "",
+        "Variants (overrides of recipes/configs/quickstart_fullrank.yaml, from benchmarks/study_presets.yaml):",
+        "",
+    ]
+    lines += [
+        f"- `{name}`: `{json.dumps(presets()[name])}`"
+        for name in presets()
+        if any(r["variant"] == name for r in rows)
+    ]
+    lines += ["", "![accuracy against train minutes](study.png)"]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(runs, out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+
+
+def _paired(runs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For each of `pairs` with at least 2 common seeds: final-accuracy differences by seed and their t-interval,
+    and the same for the gains (which differ from the former when the two start from different accuracies, as
+    variants with different prompts do)."""
+    final = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] for r in runs}
+    gain = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs}
+    out = []
+    for first, second in pairs:
+        seeds = sorted(s for (v, s) in final if v == first and (second, s) in final)
+        if len(seeds) < 2:
+            continue
+        diffs = [final[first, s] - final[second, s] for s in seeds]
+        gain_diffs = [gain[first, s] - gain[second, s] for s in seeds]
+        mean, lo, hi = paired_t_interval(diffs)
+        gain_mean, gain_lo, gain_hi = paired_t_interval(gain_diffs)
+        out.append({"first": first, "second": second, "seeds": seeds, "differences": diffs, "mean": mean,
+                    "ci95": [lo, hi], "gain_differences": gain_diffs, "gain_mean": gain_mean,
+                    "gain_ci95": [gain_lo, gain_hi]})  # fmt: skip
+    return out
+
+
+def _plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Held-out gain against train minutes, one line per (variant, seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        start = run["points"][0]["accuracy"]
+        xs = [p["train_seconds"] / 60 for p in run["points"]]
+        ys = [100 * (p["accuracy"] - start) for p in run["points"]]
+        ax.plot(xs, ys, marker="o", label=f"{run['variant']} s{run['seed']}")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("train minutes (evaluation excluded)")
+    ax.set_ylabel("held-out gain (points)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def study_main(args: argparse.Namespace, names: list[str]) -> None:
+    """`--curves --preset`: run every (preset, seed) not finished yet, then write the report over all finished
+    runs."""
+    unknown = [name for name in names if name not in presets()]
+    if unknown:
+        raise SystemExit(f"unknown presets {unknown}; known: {', '.join(presets())}")
+    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        for seed in args.seeds:
+            path = run_path(args.runs_dir, name, seed)
+            if (
+                not args.force
+                and path.is_file()
+                and json.loads(path.read_text())["settings"] == _settings(name, args)
+            ):
+                print(f"skip {name} seed {seed}: finished")
+                continue
+            print(f"run {name} seed {seed} ...", flush=True)
+            result = run_preset(name, seed, args)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+            tmp.replace(path)
+            curve = ", ".join(f"{p['step']}:{100 * p['accuracy']:.1f}%" for p in result["points"])
+            print(
+                f"done {name} seed {seed}: {curve} ({result['train_seconds'] / 60:.1f} train min)", flush=True
+            )
+    report(args)
