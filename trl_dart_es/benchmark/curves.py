@@ -289,7 +289,7 @@ def curve_child(
     from ..scoring import ACCURACY_GROUPS
     from ..trainer.baseline import read_cached, write_cached
     from .evaluation import evaluate_trainer
-    from .trainers import _per_step, es_trainer, grpo_trainer
+    from .trainers import _per_step, build_trainer
     from .workload import held_out_set
 
     method = METHODS[spec["method"]]
@@ -297,13 +297,7 @@ def curve_child(
     clock = CurveClock(spec["budget_s"], spec["eval_at_s"], progress=progress)
     with tempfile.TemporaryDirectory(prefix=f"curve-{method.name}-") as out:
         progress("loading")
-        batches: dict[str, Any] = {}
-        if method.kind == "es":
-            trainer, config = es_trainer(method, workload, out, [clock.callback()], overrides)
-        elif method.kind == "grpo":
-            trainer, config, batches = grpo_trainer(method, workload, out, [clock.callback()], overrides)
-        else:
-            raise ValueError(f"{method.name} ({method.kind}) trains nothing: no curve")
+        trainer, config, batches = build_trainer(method, workload, out, [clock.callback()], overrides)
         held_out = held_out_set(workload)
         # How many held-out prompts each group has (a per-level accuracy over few prompts is noisy).
         group_sizes = {

@@ -18,32 +18,36 @@ from .machine import machine_description, utc_now
 from .methods import METHODS, BenchMethod, _missing_requirements
 from .process import peak_memory, spawn, tail
 from .report import ROW_KEYS, _add_relative, _fmt_acc
-from .trainers import _per_step, _use_cuda, es_trainer, grpo_trainer
+from .trainers import _per_step, _use_cuda, build_trainer, es_trainer
 from .workload import Workload
 
 __all__ = ["ROW_KEYS", "RUNNERS", "run_benchmark", "summarize_run"]
 
 
-def _run_es(method: BenchMethod, workload: Workload, progress: Callable[[str], None]) -> dict[str, Any]:
+def _run_training(method: BenchMethod, workload: Workload, progress: Callable[[str], None]) -> dict[str, Any]:
+    """ES or GRPO: the workload's steps, timed end to end by the step clock."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{method.name}-") as out:
         progress("loading")
         clock = StepClock(progress=progress)
-        trainer, config = es_trainer(method, workload, out, [clock.callback()])
+        trainer, config, batches = build_trainer(method, workload, out, [clock.callback()])
         trainer.train()
         history = trainer.state.log_history
-        return {
+        result = {
             "config": config,
             "trainer": trainer,
             "reward_weights": trainer.args.reward_weights,
+            **batches,
             "step_times_s": clock.wall_step_times,
             "completion_tokens": [
                 m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")
             ],
-            "generation_tokens_per_s": _median_or_nan(
-                _per_step(history, "tokens_per_s")[workload.warmup_steps :]
-            ),
             "train_reward": _per_step(history, "reward"),
         }
+        if method.kind == "es":  # DART-ES logs its generation throughput; GRPO does not
+            result["generation_tokens_per_s"] = _median_or_nan(
+                _per_step(history, "tokens_per_s")[workload.warmup_steps :]
+            )
+        return result
 
 
 def _run_inference(
@@ -66,31 +70,11 @@ def _run_inference(
         return {"config": config, "trainer": None, "step_times_s": times, "completion_tokens": tokens}
 
 
-def _run_grpo(method: BenchMethod, workload: Workload, progress: Callable[[str], None]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"bench-{method.name}-") as out:
-        progress("loading")
-        clock = StepClock(progress=progress)
-        trainer, config, batches = grpo_trainer(method, workload, out, [clock.callback()])
-        trainer.train()
-        history = trainer.state.log_history
-        return {
-            "config": config,
-            "trainer": trainer,
-            "reward_weights": trainer.args.reward_weights,
-            **batches,
-            "step_times_s": clock.wall_step_times,
-            "completion_tokens": [
-                m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")
-            ],
-            "train_reward": _per_step(history, "reward"),
-        }
-
-
 # Runners train one method in the child process and return at least `step_times_s`, `completion_tokens` (per
 # step) and the `trainer` (its model is evaluated afterwards; None: nothing was trained, no accuracy).
 RUNNERS: dict[str, Callable[[BenchMethod, Workload, Callable[[str], None]], dict[str, Any]]] = {
-    "es": _run_es,
-    "grpo": _run_grpo,
+    "es": _run_training,
+    "grpo": _run_training,
     "inference": _run_inference,
 }
 

@@ -112,6 +112,21 @@ def es_trainer(
     return trainer, config
 
 
+def build_trainer(
+    method: BenchMethod,
+    workload: Workload,
+    out: str,
+    callbacks: list,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Any, str | None, dict[str, Any]]:
+    """The trainer of an ES or GRPO method: (trainer, its recipe config, GRPO's batch sizes or {})."""
+    if method.kind == "es":
+        return (*es_trainer(method, workload, out, callbacks, overrides), {})
+    if method.kind == "grpo":
+        return grpo_trainer(method, workload, out, callbacks, overrides)
+    raise ValueError(f"{method.name} ({method.kind}) trains nothing")
+
+
 def grpo_trainer(
     method: BenchMethod,
     workload: Workload,
