@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..precision import resolve_generation_dtype
+
 __all__ = [
     "WeightSignal",
     "changed_units",
@@ -327,6 +329,7 @@ class _Engine:
     packed: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: {"pushes": 0, "push_s": 0.0, "tensors": 0})
     prefix_caching: bool = False
+    dtype: Any = None  # what the engine generates in (None: a stand-in engine; the model's dtype)
 
     def generate(self, rows: list, sampling: Any, **kwargs: Any) -> list:
         """``llm.generate`` that leaves the engine as it found it, and returns one output per row, in order.
@@ -408,6 +411,7 @@ def start_engine(
     lora_kernel: str = "grouped",
     tokenizer: Any = None,
     enable_prefix_caching: bool = False,
+    generation_dtype: str | None = None,
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
@@ -429,6 +433,9 @@ def start_engine(
     ``enable_prefix_caching`` turns on vLLM's prefix cache for the prompts of one generate call
     (:meth:`_Engine.generate` empties it before each); on CPU the block size is then 32, the smallest the CPU
     attention accepts (vLLM's default there, 128, would share only prefixes of 128 tokens or more).
+
+    ``generation_dtype`` (``DartESConfig.generation_dtype``; :func:`~trl_dart_es.precision.resolve_generation_dtype`)
+    is the engine's precision; None keeps the model's. Weights pushed in another dtype are cast by vLLM's loader.
 
     ``tokenizer`` (the trainer's) starts the engine with it, so that vLLM can match stop strings
     (``generation_kwargs={"stop": [...]}``); without it the engine skips its tokenizer: prompts arrive as
@@ -461,7 +468,8 @@ def start_engine(
         if on_cpu
         else None
     )
-    dtype = next(model.parameters()).dtype
+    # The generation precision (precision.py): pushed weights and adapters are cast to it, the model keeps its own.
+    dtype = resolve_generation_dtype(generation_dtype, next(model.parameters()).dtype, on_cuda=not on_cpu)
     base = model.get_base_model() if _is_peft_model(model) else model
     path, tmp = _model_dir_for(model)
     if tmp is None:
@@ -565,6 +573,7 @@ def start_engine(
         vllm_threads=vllm_threads,
         packed=llm.collective_rpc(_packed_modules)[0],
         prefix_caching=enable_prefix_caching,
+        dtype=dtype,
     )
     if weight_sync == "reload" and not all(llm.collective_rpc(_can_reload_from_memory)):
         shutdown_engine()
@@ -598,6 +607,7 @@ def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
         lora_kernel=args.vllm_lora_kernel,
         tokenizer=trainer.processing_class if needs_detokenizer(args.generation_kwargs) else None,
         enable_prefix_caching=args.vllm_enable_prefix_caching,
+        generation_dtype=args.generation_dtype,
         **engine_kwargs,
     )
 

@@ -139,7 +139,7 @@ class VLLMLowRankRollout(VLLMRollout):
         )
         self.handover = handover
         self.last_perturb_time = 0.0
-        self._dtype = next(model.parameters()).dtype
+        self._dtype = engine.dtype or next(model.parameters()).dtype  # adapters in the engine's precision
         self._config = _adapter_config(params)
         self._check_engine_supports(params)
 

@@ -246,6 +246,16 @@ class DartESConfig(TrainingArguments):
             "shared (docs/vllm.md 'Prefix caching'). False: every prompt computed in full, the reference."
         },
     )
+    generation_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Improvement: the precision the vLLM engine generates in, apart from the evolved weights' dtype "
+            "(their fp32 master keeps every perturbation and update exact; the engine gets them rounded at each "
+            "push, so rounding never accumulates). None: the model's dtype (the reference). 'auto': bfloat16 for an "
+            "fp32 model where the CPU (avx512_bf16 or AMX) or GPU computes bf16 natively, else the model's dtype. "
+            "'float32', 'bfloat16', 'float16': that dtype. use_vllm=True only (docs/vllm.md 'Generation precision')."
+        },
+    )
     vllm_cpu_kvcache_space: int = field(
         default=4, metadata={"help": "KV-cache size in GiB for vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)."}
     )
@@ -359,6 +369,17 @@ class DartESConfig(TrainingArguments):
             raise bad("vllm_cpu_threads", "use a positive integer, or None for the measured default")
         if self.vllm_lora_kernel not in _VLLM_LORA_KERNELS:
             raise bad("vllm_lora_kernel", f"choose one of {_VLLM_LORA_KERNELS}")
+        if self.generation_dtype is not None:
+            from ..precision import GENERATION_DTYPES
+
+            if self.generation_dtype not in GENERATION_DTYPES:
+                raise bad(
+                    "generation_dtype", f"choose one of {GENERATION_DTYPES}, or None for the model's dtype"
+                )
+            if not self.use_vllm:
+                raise bad(
+                    "generation_dtype", "only the vLLM engine generates in another precision (use_vllm=True)"
+                )
         if self.lowrank_targets not in _LOWRANK_TARGETS:
             raise bad("lowrank_targets", f"choose one of {_LOWRANK_TARGETS}")
         if self.lowrank_targets != "auto" and self.perturbation != "lowrank":

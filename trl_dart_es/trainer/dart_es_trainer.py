@@ -31,8 +31,9 @@ from ..perturb import EvolvedParameters
 from ..rollout import build as build_rollout
 from ..rollout.base import check_population
 from ..rollout.prompts import as_completions
-from ..scoring import ACCURACY_GROUPS, RewardScorer, accuracy_by_group
+from ..scoring import ACCURACY_GROUPS, RewardScorer, held_out_metrics
 from ..strategy import DartES
+from .completions import frac_reward_zero_std, log_completions, record_step_completions
 from .dart_es_config import DartESConfig
 from .transaction import StepSnapshot, check_resume_settings, held_interrupt, trajectory_settings
 
@@ -262,7 +263,7 @@ class DartESTrainer(_BaseTrainer):
             )
         self.rollout = build_rollout(self)
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        self._last_samples: list[tuple[str, str, float]] = []
+        self._last_samples: dict[str, list] | None = None  # the step's completion rows, for log_completions
         self._step_flops = 0
         self._step_committed = False
         self._torn: str | None = None  # why this trainer cannot take another step (an update failed part-way)
@@ -401,9 +402,14 @@ class DartESTrainer(_BaseTrainer):
             lr,
         )
         self._metrics["time/perturb"].append(perturb_time)
-        if args.log_completions and self.accelerator.is_main_process and gens:
-            primary = local_rewards[args.primary_reward_index, 0]
-            self._last_samples = list(zip(columns["prompt"], gens[0].texts, primary.tolist(), strict=True))
+        # TRL's completion metrics; with `log_completions`, the step's rows of every member (main process only)
+        step_metrics, self._last_samples = record_step_completions(
+            self, batch, columns["prompt"], members, local, gens, rewards, result
+        )
+        for key, value in step_metrics.items():
+            self._metrics[key].append(value)
+        self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]  # a running total, as in GRPO
+        self._metrics["step_time"].append(time.perf_counter() - t_start)
         mean_primary = float(np.nanmean(rewards[args.primary_reward_index])) if rewards.size else 0.0
         # Trainer logs `loss`; for ES it is the negated mean primary reward of the population.
         return torch.tensor(-mean_primary if math.isfinite(mean_primary) else 0.0, device=args.device)
@@ -453,6 +459,7 @@ class DartESTrainer(_BaseTrainer):
         per_member = total.mean(axis=1)
         m["reward"].append(float(per_member.mean()))
         m["reward_std"].append(float(per_member.std()))
+        m["frac_reward_zero_std"].append(frac_reward_zero_std(total))
         for k, name in enumerate(self.reward_func_names):
             per = np.nanmean(rewards[k], axis=1) if np.isfinite(rewards[k]).any() else np.full(n, np.nan)
             m[f"rewards/{name}/mean"].append(float(np.nanmean(per)))
@@ -465,20 +472,19 @@ class DartESTrainer(_BaseTrainer):
         m["time/reward"].append(reward_time)
         m["time/es"].append(es_time)
         m["tokens_per_s"].append(tokens / gen_time if gen_time > 0 else 0.0)
-        m["completions/mean_length"].append(tokens / max(1, rewards.shape[1] * rewards.shape[2]))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if not any(k.startswith("eval_") for k in logs):
+        training = not any(k.startswith("eval_") for k in logs)
+        if training:
             for key, values in self._metrics.items():
                 valid = [v for v in values if not math.isnan(v)]
                 logs[key] = sum(valid) / len(valid) if valid else None
             self._metrics.clear()
-            if self._last_samples and self.args.log_completions and self.accelerator.is_main_process:
-                for prompt, completion, reward in self._last_samples[: self.args.num_completions_to_print]:
-                    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-                    print(f"--- prompt: {text}\n--- completion (reward {reward}): {completion}")
-                self._last_samples = []
         super().log(logs, start_time)
+        # After Trainer's log, as GRPO does: the trackers have started and the step's scalars are in.
+        if training and self._last_samples and self.args.log_completions and self.accelerator.is_main_process:
+            log_completions(self, self._last_samples)
+            self._last_samples = None
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(
@@ -523,27 +529,23 @@ class DartESTrainer(_BaseTrainer):
         else:
             parts = local
         empty = np.zeros((len(self.scorer), 0))
-        rewards = np.concatenate([part[0] for part in parts], axis=1) if parts else empty
-        tokens = sum(part[1] for part in parts)
-        p = self.args.primary_reward_index
-        total = np.nansum(rewards * self.reward_weights[:, None], axis=0)
-        metrics = {f"{metric_key_prefix}_reward": float(total.mean()) if total.size else float("nan")}
-        for k, name in enumerate(self.reward_func_names):
-            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(np.nanmean(rewards[k]))
-        solved = np.nan_to_num(rewards[p], nan=-np.inf) >= self.args.solved_threshold
-        metrics[f"{metric_key_prefix}_accuracy"] = float(solved.mean()) if solved.size else float("nan")
-        rows_seen = max(1, rewards.shape[1])
-        metrics[f"{metric_key_prefix}_completions/mean_length"] = tokens / rows_seen
-        metrics[f"{metric_key_prefix}_completions/clipped_ratio"] = sum(part[2] for part in parts) / rows_seen
-        # Accuracy per difficulty level and per wording (seen in training or held out), where every row says.
+        # Groups where every row says (accuracy per difficulty level and per wording).
         groups = {
             c: [v for part in parts for v in part[3][c]]
             for c in ACCURACY_GROUPS
             if all(c in part[3] for part in parts)
         }
-        for key, value in accuracy_by_group(solved, groups).items():
-            metrics[f"{metric_key_prefix}_{key}"] = value
-        return metrics
+        metrics = held_out_metrics(
+            np.concatenate([part[0] for part in parts], axis=1) if parts else empty,
+            self.reward_func_names,
+            self.reward_weights,
+            primary_reward_index=self.args.primary_reward_index,
+            solved_threshold=self.args.solved_threshold,
+            tokens=sum(part[1] for part in parts),
+            clipped=sum(part[2] for part in parts),
+            groups=groups,
+        )
+        return {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
 
     # --------------------------------------------------------------------------------- checkpoint / resume
     def _save_checkpoint(self, model, trial):

@@ -114,6 +114,7 @@ WARNED_ON_RESUME = (
     "max_replays_per_epoch",
     "replay_cooldown",
     "zero_pass_patience",
+    "generation_dtype",
 )
 
 

