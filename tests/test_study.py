@@ -192,3 +192,28 @@ def test_the_study_report_rebuilds_from_the_run_files_through_the_harness(tmp_pa
         bench.main(["--curves", "--preset", "no-such-preset", "--runs-dir", str(runs)])
     with pytest.raises(SystemExit, match="--methods"):
         bench.main(["--curves", "--preset", "demo", "--methods", "grpo"])
+
+
+def test_a_preset_runs_end_to_end_through_the_harness_and_a_rerun_skips(tmp_path, monkeypatch, capsys):
+    """`--curves --preset` trains in-process on the embedded model, evaluates at step 0 (through the one cache of
+    the untrained score) and every --eval-every steps, and writes the run; a rerun trains nothing."""
+    from trl_dart_es import benchmark as bench
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRL_DART_ES_CACHE", str(tmp_path / "cache"))
+    tiny = {**study.presets()["lr-answer32"], "population_size": 2, "per_device_train_batch_size": 2,
+            "max_completion_length": 4, "max_steps": 2}  # fmt: skip
+    monkeypatch.setitem(study.presets(), "tiny", tiny)
+    argv = ["--curves", "--preset", "tiny", "--seeds", "0", "--eval-prompts", "4", "--eval-every", "1",
+            "--runs-dir", str(tmp_path / "runs"), "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    bench.main(argv)
+    run = json.loads((tmp_path / "runs" / "tiny-seed0.json").read_text())
+    assert run["settings"] == {"variant": tiny, "eval_prompts": 4, "eval_every": 1}
+    assert [p["step"] for p in run["points"]] == [0, 1, 2]
+    seconds = [p["train_seconds"] for p in run["points"]]
+    assert seconds[0] == 0.0 < seconds[1] < seconds[2] == pytest.approx(run["train_seconds"])
+    assert len(list((tmp_path / "cache" / "baselines").glob("*.json"))) == 1
+    assert "| tiny | 0 | 8 |" in (tmp_path / "out" / "study.md").read_text()
+    capsys.readouterr()
+    bench.main(argv)
+    assert "skip tiny seed 0: finished" in capsys.readouterr().out
