@@ -271,3 +271,91 @@ def test_block_styles_share_one_prefix_cache_block():
     assert shared("answer") < 32
     assert shared("answer-math") >= 32
     assert shared("answer-once") >= 32
+
+
+# ------------------------------------------------------------------------------------ version 2: a wider task
+def _literal_pieces(template: str) -> list[str]:
+    """The fixed text of a template between its {slots}, long enough to be distinctive."""
+    import re
+
+    return [p.strip() for p in re.split(r"\{[^}]*\}", template) if len(p.strip()) >= 8]
+
+
+def test_version_2_never_puts_held_out_templates_names_or_objects_in_train():
+    from trl_dart_es.tasks import word_problems as wp
+
+    train = make_synthetic_gsm8k(3000, split="train", version=2)["question"]
+    test = make_synthetic_gsm8k(600, split="test", version=2)
+    every = {**wp._START, **wp._START_GROUPS, **wp._ADD, **wp._SUB, **wp._SUB_FOOD, **wp._MUL, **wp._DIV}
+    every.update({**wp._QUESTIONS, **wp._DISTRACTORS})
+    assert wp.HELD_OUT_TEMPLATES <= set(every)
+    for tid in sorted(wp.HELD_OUT_TEMPLATES):
+        pieces = _literal_pieces(every[tid])
+        assert pieces, tid
+        assert not any(all(p in q for p in pieces) for q in train), f"held-out template {tid} is in train"
+        assert any(all(p in q for p in pieces) for q in test["question"]), (
+            f"{tid} never in test: proves nothing"
+        )
+    words = re.compile(r"\b(" + "|".join(sorted((*wp.HELD_OUT_NAMES, *wp.HELD_OUT_OBJECTS))) + r")\b")
+    assert not any(words.search(q) for q in train)
+    assert sum(bool(words.search(q)) for q in test["question"]) > 30
+    # The columns say which test rows use held-out text, and train has none of either kind.
+    held_out_pieces = [_literal_pieces(every[tid]) for tid in wp.HELD_OUT_TEMPLATES]
+    for q, template, wording in zip(test["question"], test["template"], test["wording"], strict=True):
+        assert (wording == "held_out") == bool(words.search(q)), q
+        assert (template == "held_out") == any(all(p in q for p in ps) for ps in held_out_pieces), q
+    assert {"seen", "held_out"} == set(test["template"])
+
+
+def test_version_2_solutions_are_correct_arithmetic_and_have_distractors():
+    import re
+
+    from trl_dart_es.tasks import word_problems as wp
+
+    rows = make_synthetic_gsm8k(500, split="train", version=2, seed=3)
+    ops = {
+        "+": lambda a, b: a + b,
+        "-": lambda a, b: a - b,
+        "*": lambda a, b: a * b,
+        "/": lambda a, b: a // b,
+    }
+    for solution, answer in zip(rows["solution"], rows["answer"], strict=True):
+        value = None
+        for a, op, b, c in re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", solution):
+            assert ops[op](int(a), int(b)) == int(c) and (op != "/" or int(a) % int(b) == 0), solution
+            assert value is None or int(a) == value, solution  # each step starts from the last result
+            value = int(c)
+        assert solution.endswith(f"#### {answer}") and (value is None or value == int(answer))
+    noise = [_literal_pieces(t) for t in wp._DISTRACTORS.values()]
+    with_noise = sum(
+        any(pieces and all(p in q for p in pieces) for pieces in noise) for q in rows["question"]
+    )
+    assert 0.1 < with_noise / len(rows) < 0.4  # about 30% carry a sentence that changes nothing
+    assert len(set(rows["question"])) == len(rows)
+
+
+def test_version_1_stays_the_default_and_a_bad_version_is_refused():
+    v1 = make_synthetic_gsm8k(20, split="test")
+    assert "template" not in v1.column_names
+    assert v1["question"] == make_synthetic_gsm8k(20, split="test", version=1)["question"]
+    assert v1["question"] != make_synthetic_gsm8k(20, split="test", version=2)["question"]
+    with pytest.raises(ValueError, match="Unknown version 3 "):
+        make_synthetic_gsm8k(5, version=3)
+
+
+def test_held_out_templates_get_their_own_accuracy():
+    import numpy as np
+
+    from trl_dart_es.scoring import accuracy_by_group
+
+    solved = np.array([True, False, True, True])
+    metrics = accuracy_by_group(solved, {"template": ["seen", "held_out", "held_out", "seen"]})
+    assert metrics == {"accuracy/template_held_out": 0.5, "accuracy/template_seen": 1.0}
+
+
+def test_recipe_arguments_pick_the_task_version():
+    from trl_dart_es.tasks.arguments import TaskArguments
+
+    v2 = TaskArguments(dataset_name="embedded:gsm8k", task_version=2, eval_num_examples=40).load_split("test")
+    assert len(v2) == 40 and "template" in v2.column_names
+    assert "template" not in TaskArguments(dataset_name="embedded:gsm8k").load_split("test").column_names

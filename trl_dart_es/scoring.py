@@ -143,7 +143,7 @@ class RewardScorer:
 
 # Dataset columns whose values split held-out accuracy (the offline tasks have them): column -> metric label,
 # e.g. accuracy/level2, accuracy/wording_held_out.
-ACCURACY_GROUPS: dict[str, str] = {"level": "level", "wording": "wording_"}
+ACCURACY_GROUPS: dict[str, str] = {"level": "level", "wording": "wording_", "template": "template_"}
 
 
 def accuracy_by_group(solved: np.ndarray, columns: dict[str, Sequence[Any]]) -> dict[str, float]:

@@ -24,6 +24,14 @@ class TaskArguments(ScriptArguments):
             "'answer', ...). None: the task's default ('steps')."
         },
     )
+    task_version: int | None = field(
+        default=None,
+        metadata={
+            "help": "Version of the offline task's generator: for embedded:gsm8k 1 (the default; every number "
+            "measured so far) or 2 (a wider task: many templates per operation, question forms, names, objects and "
+            "distractor sentences, with whole templates held out of train; docs/tasks.md). None: the default."
+        },
+    )
     eval_num_examples: int | None = field(
         default=None,
         metadata={
@@ -70,6 +78,8 @@ class TaskArguments(ScriptArguments):
         options: dict[str, Any] = {}
         if self.prompt_style is not None:
             options["prompt_style"] = self.prompt_style
+        if self.task_version is not None:
+            options["version"] = self.task_version
         if self.eval_num_examples and split == self.dataset_test_split:
             options["num_examples"] = self.eval_num_examples
         return load_task_dataset(self.dataset_name, split, **options)

@@ -14,6 +14,8 @@ from typing import Any
 
 from datasets import Dataset
 
+from . import word_problems
+
 GSM8K_HUB_ID = "openai/gsm8k"
 
 # Chosen by measurement on the embedded 135M model (docs/tasks.md): a short system instruction with the
@@ -242,6 +244,7 @@ def make_synthetic_gsm8k(
     level_ranges: dict[int, tuple[int, int]] | None = None,
     conversational: bool = True,
     prompt_style: str = "steps",
+    version: int = 1,
 ) -> Dataset:
     """Offline GSM8K-style word problems: 1 to 3 arithmetic steps (+, -, *, /) with integer results.
 
@@ -260,7 +263,13 @@ def make_synthetic_gsm8k(
         conversational: messages (`True`, default) or a plain-string prompt (TRL's standard format).
         prompt_style: the system prompt, a key of `PROMPT_STYLES` ("steps", the default, asks for short
             worked steps).
+        version: 1 (the default, and every number measured so far): a few templates per operation, held-out
+            phrasings. 2: the wider task of `trl_dart_es.tasks.word_problems` (many templates and question forms,
+            distractor sentences); `wording` then marks held-out names and objects, and an extra `template`
+            column marks whole sentence templates and question forms that the train split never contains.
     """
+    if version not in (1, 2):
+        raise ValueError(f"Unknown version {version!r} of the synthetic GSM8K generator; choose 1 or 2.")
     if split not in _SPLIT_BUCKETS:
         raise ValueError(
             f"Unknown split {split!r} for synthetic GSM8K; choose from {sorted(_SPLIT_BUCKETS)}."
@@ -287,11 +296,18 @@ def make_synthetic_gsm8k(
         if attempts > 100 * num_examples + 1000:
             raise RuntimeError("Could not generate enough distinct problems; widen level_ranges.")
         level = rng.choices(levels, weights=weights)[0]
-        problem = _generate_problem(rng, level, *ranges[level])
+        if version == 1:
+            problem = _generate_problem(rng, level, *ranges[level])
+        else:
+            problem = word_problems.generate_problem_v2(rng, level, *ranges[level])
         if problem["question"] in seen or _split_of(problem["question"]) != split:
             continue
-        wording = wording_of(problem["question"])
-        if split == "train" and wording == "held_out":
+        if version == 1:
+            wording, extra = wording_of(problem["question"]), {}
+        else:
+            wording = word_problems.wording_of_v2(problem)
+            extra = {"template": word_problems.template_of(problem)}
+        if split == "train" and "held_out" in (wording, *extra.values()):
             continue
         seen.add(problem["question"])
         index = len(rows)
@@ -306,6 +322,7 @@ def make_synthetic_gsm8k(
                 "solution": problem["solution"],
                 "level": problem["level"],
                 "wording": wording,
+                **extra,
             }
         )
     return Dataset.from_list(rows)
