@@ -84,6 +84,24 @@ def parity_reward(completion_ids, **kwargs):
     return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
 
 
+def token_parity_reward(completion_ids, **kwargs):
+    """A primary 0/1 reward that depends on every generated token: equal rewards need equal completions."""
+    return [float(sum(ids) % 2 == 0) for ids in completion_ids]
+
+
+def token_length_reward(completion_ids, **kwargs):
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+def vllm_tiny_llama(tokenizer, seed: int = 0):
+    """A tiny Llama vLLM's CPU attention can run (head size 32), over the embedded tokenizer's vocabulary."""
+    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=128, layers=2, seed=seed)
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
 def tiny_es_config(output_dir, **kw):
     """A DartESConfig sized for tiny models: 4 members x 4 prompts, 6 tokens, 2 steps, CPU, no reporting."""
     from trl_dart_es import DartESConfig

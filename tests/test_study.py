@@ -85,7 +85,9 @@ def test_the_demo_config_is_the_study_variant_it_names():
     variant = study.presets()["demo"]
     assert {k: demo.get(k) for k in variant} == variant
     base = yaml.safe_load(study.CONFIG.read_text())  # what the variant does not override is the study's base
-    rest = set(demo) - set(variant) - {"output_dir", "eval_num_examples"}
+    # Where it writes and what it logs do not change the trajectory.
+    logging = {"report_to", "project", "log_completions", "num_completions_to_print"}
+    rest = set(demo) - set(variant) - {"output_dir", "eval_num_examples"} - logging
     assert {k: demo[k] for k in rest} == {k: base.get(k) for k in rest}
     assert "vllm_lora_kernel" not in demo and demo["eval_num_examples"] >= 256
     # Against the confirmed N4xB32 variant only the run length (steps, not a time budget) and the kernel differ.

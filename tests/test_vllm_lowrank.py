@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama, tiny_es_config, toy_dataset
+from conftest import (
+    make_tiny_llama,
+    tiny_es_config,
+    token_length_reward,
+    token_parity_reward,
+    toy_dataset,
+    vllm_tiny_llama,
+)
 from transformers import GenerationConfig
 
 from trl_dart_es import DartESConfig
@@ -118,24 +125,6 @@ def test_vllm_lowrank_refuses_full_rank_tensors(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------- engine tests
-def _parity_reward(completion_ids, **kwargs):
-    """A primary 0/1 reward that depends on every generated token: equal matrices need equal completions."""
-    return [float(sum(ids) % 2 == 0) for ids in completion_ids]
-
-
-def _length_reward(completion_ids, **kwargs):
-    return [len(ids) / 8.0 for ids in completion_ids]
-
-
-def _vllm_tiny_llama(tokenizer, seed: int = 0):
-    """A tiny Llama vLLM's CPU attention can run (head size 64), over the embedded tokenizer's vocabulary."""
-    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=128, layers=2, seed=seed)
-    for cfg in (model.config, model.generation_config):
-        cfg.pad_token_id = tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-    return model
-
-
 def _lowrank_trainer(tokenizer, out, use_vllm: bool, **overrides):
     """DART-ES with rank-r noise on linear weights only (what LoRA carries) on a tiny model, on either backend."""
     from trl_dart_es import DartESTrainer
@@ -150,8 +139,8 @@ def _lowrank_trainer(tokenizer, out, use_vllm: bool, **overrides):
         **overrides,
     )
     return DartESTrainer(
-        model=_vllm_tiny_llama(tokenizer),
-        reward_funcs=[_parity_reward, _length_reward],
+        model=vllm_tiny_llama(tokenizer),
+        reward_funcs=[token_parity_reward, token_length_reward],
         args=args,
         train_dataset=toy_dataset(8),
         processing_class=tokenizer,
@@ -210,9 +199,9 @@ def test_a_full_step_gives_the_same_rewards_and_bitwise_the_same_update_on_both_
         np.testing.assert_array_equal(a, b)
     assert any(log["update_norm"] > 0 for log in hf_logs), "no update: the test would prove nothing"
     assert [log["update_norm"] for log in vl_logs] == [log["update_norm"] for log in hf_logs]
-    carried = lora_carried_names(_vllm_tiny_llama(tokenizer))
+    carried = lora_carried_names(vllm_tiny_llama(tokenizer))
     carried = set(carried if modules is None else select_by_module(carried, modules))
-    start = dict(_vllm_tiny_llama(tokenizer).named_parameters())
+    start = dict(vllm_tiny_llama(tokenizer).named_parameters())
     for name, tensor in hf_w.items():
         assert torch.equal(vl_w[name], tensor), name
         assert torch.equal(tensor, start[name]) != (name in carried), name  # only the carried tensors moved

@@ -38,12 +38,4 @@ def build(trainer: Any, generation_config: GenerationConfig | None = None) -> Po
         from .lowrank import LowRankRollout
 
         return LowRankRollout.from_trainer(trainer, generation_config)
-    return TransformersRollout(
-        trainer.model,
-        trainer.processing_class,
-        generation_config,
-        trainer.es_params,
-        batch_size=args.generation_batch_size,
-        chat_template_kwargs=args.chat_template_kwargs,
-        sampling_seed=args.seed,
-    )
+    return TransformersRollout.from_trainer(trainer, generation_config)

@@ -60,19 +60,6 @@ class LowRankRollout(TransformersRollout):
             sampling_seed=sampling_seed,
         )
 
-    @classmethod
-    def from_trainer(cls, trainer, gen_config: GenerationConfig) -> LowRankRollout:
-        args = trainer.args
-        return cls(
-            trainer.model,
-            trainer.processing_class,
-            gen_config,
-            trainer.es_params,
-            batch_size=args.generation_batch_size,
-            chat_template_kwargs=args.chat_template_kwargs,
-            sampling_seed=args.seed,
-        )
-
     def plan(self, num_prompts: int, num_members: int) -> list[tuple[slice, slice]]:
         """``(members, prompts)`` slices of each `generate` call, in order."""
         size = self.batch_size

@@ -74,6 +74,20 @@ class TransformersRollout:
         self.eos_token_ids = set(generation_config.eos_token_id or [])
         self.last_perturb_time = 0.0
 
+    @classmethod
+    def from_trainer(cls, trainer, generation_config: GenerationConfig):
+        """The rollout of a `DartESTrainer` that generates with its own model (also `LowRankRollout`'s)."""
+        args = trainer.args
+        return cls(
+            trainer.model,
+            trainer.processing_class,
+            generation_config,
+            trainer.es_params,
+            batch_size=args.generation_batch_size,
+            chat_template_kwargs=args.chat_template_kwargs,
+            sampling_seed=args.seed,
+        )
+
     def _encode(self, prompts: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
         texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
         size = self.batch_size or len(texts)

@@ -35,7 +35,14 @@ from ..scoring import ACCURACY_GROUPS, RewardScorer, held_out_metrics
 from ..strategy import DartES
 from .completions import frac_reward_zero_std, log_completions, record_step_completions
 from .dart_es_config import DartESConfig
-from .transaction import StepSnapshot, check_resume_settings, held_interrupt, trajectory_settings
+from .transaction import (
+    REFUSED_ON_RESUME,
+    WARNED_ON_RESUME,
+    StepSnapshot,
+    check_resume_settings,
+    held_interrupt,
+    trajectory_settings,
+)
 
 if is_peft_available():
     from peft import PeftConfig, get_peft_model
@@ -611,27 +618,7 @@ class DartESTrainer(_BaseTrainer):
         if not self.is_world_process_zero():
             return
         a = self.args
-        keys = [
-            "population_size",
-            "sigma",
-            "learning_rate",
-            "per_device_train_batch_size",
-            "seed",
-            "perturbation",
-            "use_difficulty_reweighting",
-            "use_targeted_replay",
-            "replay_ratio",
-            "difficulty_ema_decay",
-            "difficulty_weight_floor",
-            "difficulty_weight_exponent",
-            "replay_pass_threshold",
-            "max_replays_per_epoch",
-            "replay_cooldown",
-            "zero_pass_patience",
-            "fitness_shaping",
-            "max_completion_length",
-            "temperature",
-        ]
+        keys = [*REFUSED_ON_RESUME, *WARNED_ON_RESUME]  # the settings that decide the trajectory
         lines = ["", "## DART-ES hyperparameters", "", "| name | value |", "| --- | --- |"]
         lines += [f"| `{k}` | {getattr(a, k)} |" for k in keys]
         lines += [
