@@ -201,7 +201,7 @@ class WeightSignal:
 
 # ------------------------------------------------------------------------------------------------ threads
 # Torch intra-op threads of a process running vLLM on CPU when `DartESConfig.vllm_cpu_threads` is None:
-# None means the process's whole share of the cores (C // P). Measured with benchmarks/vllm_threads.py
+# None means the process's whole share of the cores (C // P). Measured with vllm_threads.py (retired; results/vllm_threads.md)
 # (docs/vllm.md "Threads", 2 cores): 2 threads against 1 made the low-rank path's generate + update 0.87x as
 # long and the full-rank path's 0.91-0.97x (its ES update alone 0.53-0.80x).
 _DEFAULT_CPU_THREADS: int | None = None
