@@ -182,13 +182,15 @@ def test_ctrl_c_in_generate_and_a_reward_error_leave_nothing_and_a_retry_equals_
     _assert_same_run(trainer, clean_runs(backend))
 
 
-def test_an_update_that_fails_part_way_stops_the_trainer_with_a_clear_error(tokenizer, tmp_path):
-    trainer = _trainer("transformers", tokenizer, tmp_path, max_steps=2)
-    with _fail_once(trainer.es_params, "update", MemoryError("out of memory"), at_call=1):
+def test_an_update_that_fails_part_way_stops_the_trainer_until_it_resumes(tokenizer, tmp_path):
+    trainer = _trainer("transformers", tokenizer, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    with _fail_once(trainer.es_params, "update", MemoryError("out of memory"), at_call=2):
         with pytest.raises(RuntimeError, match="update failed part-way.*resume_from_checkpoint"):
             trainer.train()
     with pytest.raises(RuntimeError, match="update failed part-way"):
         trainer.train()  # refuses to step on weights that may be half-updated
+    trainer.train(resume_from_checkpoint=True)  # from checkpoint-1: consistent weights and state again
+    assert trainer.state.global_step == 2 and trainer.strategy.step == 2
 
 
 def test_ctrl_c_during_the_update_completes_the_step_and_stops_training(tokenizer, tmp_path, clean_runs):

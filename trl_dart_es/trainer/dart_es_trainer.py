@@ -603,6 +603,7 @@ class DartESTrainer(_BaseTrainer):
         master = os.path.join(checkpoint, MASTER_WEIGHTS_NAME)
         if os.path.exists(master):
             self.es_params.load_master_state_dict(load_file(master))
+        self._torn = None  # weights and state come from the checkpoint again: a torn update is behind us
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.es_params.is_perturbed:
