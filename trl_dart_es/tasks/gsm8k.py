@@ -146,7 +146,6 @@ DEFAULT_LEVEL_RANGES: dict[int, tuple[int, int]] = {1: (10, 9), 2: (12, 9), 3: (
 # Level 1 is drawn twice as often: the 135M model solves few level-2 and almost no level-3 problems, and
 # ES only learns from problems that some population member solves.
 DEFAULT_LEVEL_WEIGHTS: dict[int, float] = {1: 2.0, 2: 1.0, 3: 1.0}
-_FACTORS = (2, 3, 4, 5)
 
 
 # Phrasings that never appear in the train split: accuracy on test problems worded with them
@@ -182,14 +181,7 @@ def _generate_problem(rng: random.Random, level: int, max_start: int, max_delta:
         story = [f"{name} has {x} {obj}."]
         steps = []
     while ops_left > 0:
-        choices = ["add", "sub", "mul", "div"]
-        if x <= 1:
-            choices.remove("sub")
-        if not any(x % f == 0 for f in _FACTORS):
-            choices.remove("div")
-        if x * 2 > 500:
-            choices.remove("mul")
-        op = rng.choice(choices)
+        op = rng.choice(word_problems.allowed_operations(x, smallest_change=1))
         if op == "add":
             b = rng.randint(1, max_delta)
             friend = rng.choice(_FRIENDS)
@@ -213,12 +205,12 @@ def _generate_problem(rng: random.Random, level: int, max_start: int, max_delta:
             steps.append(f"{He} loses {b}, so {x} - {b} = {x - b}.")
             x -= b
         elif op == "mul":
-            k = rng.choice([f for f in _FACTORS if x * f <= 500])
+            k = rng.choice([f for f in word_problems.FACTORS if x * f <= 500])
             story.append(f"Then the number of {obj} {he} has becomes {k} times as large.")
             steps.append(f"It becomes {k} times as large, so {x} * {k} = {x * k}.")
             x *= k
         else:
-            k = rng.choice([f for f in _FACTORS if x % f == 0])
+            k = rng.choice([f for f in word_problems.FACTORS if x % f == 0])
             story.append(f"Then {he} splits {his} {obj} into {k} equal groups and keeps only one group.")
             steps.append(f"{He} keeps one of {k} equal groups, so {x} / {k} = {x // k}.")
             x //= k

@@ -121,7 +121,20 @@ _DISTRACTORS = {
 HELD_OUT_TEMPLATES: frozenset[str] = frozenset(
     {"start5", "add7", "sub7", "subfood1", "mul3", "div3", "q5", "noise5"}
 )
-_FACTORS = (2, 3, 4, 5)
+FACTORS = (2, 3, 4, 5)  # multipliers and divisors
+
+
+def allowed_operations(x: int, smallest_change: int) -> list[str]:
+    """The operations that keep amounts integer, positive and at most 500 from amount `x`, in a fixed order (the
+    draw depends on it); removing needs `x` above the smallest amount a problem adds or removes."""
+    choices = ["add", "sub", "mul", "div"]
+    if x <= smallest_change:
+        choices.remove("sub")
+    if not any(x % f == 0 for f in FACTORS):
+        choices.remove("div")
+    if x * 2 > 500:
+        choices.remove("mul")
+    return choices
 
 
 def _fill(template: str, slots: dict[str, Any]) -> str:
@@ -164,14 +177,9 @@ def generate_problem_v2(rng: random.Random, level: int, max_start: int, max_delt
         x = rng.randint(3, max_start)
         say(_START, x=x)
     while ops_left > 0:
-        choices = ["add", "sub", "mul", "div"]
-        if x <= 2:  # changes are 2 or more: "1 apples" reads wrong
-            choices.remove("sub")
-        if not any(x % f == 0 for f in _FACTORS):
-            choices.remove("div")
-        if x * 2 > 500:
-            choices.remove("mul")
-        op = rng.choice(choices)
+        op = rng.choice(
+            allowed_operations(x, smallest_change=2)
+        )  # changes of 2 or more: "1 apples" reads wrong
         if op == "add":
             b = rng.randint(2, max(2, max_delta))
             say(_ADD, b=b)
@@ -183,12 +191,12 @@ def generate_problem_v2(rng: random.Random, level: int, max_start: int, max_delt
             steps.append(f"{slots['He']} has {b} fewer, so {x} - {b} = {x - b}.")
             x -= b
         elif op == "mul":
-            k = rng.choice([f for f in _FACTORS if x * f <= 500])
+            k = rng.choice([f for f in FACTORS if x * f <= 500])
             say(_MUL, k=k)
             steps.append(f"It becomes {k} times as large, so {x} * {k} = {x * k}.")
             x *= k
         else:
-            k = rng.choice([f for f in _FACTORS if x % f == 0])
+            k = rng.choice([f for f in FACTORS if x % f == 0])
             say(_DIV, k=k)
             steps.append(f"{slots['He']} keeps one of {k} equal parts, so {x} / {k} = {x // k}.")
             x //= k
