@@ -16,6 +16,7 @@ from trl_dart_es.lowrank import LowRankParameters
 from trl_dart_es.precision import cpu_supports_bf16, resolve_generation_dtype
 from trl_dart_es.rollout import vllm as vllm_rollout
 from trl_dart_es.rollout.vllm import is_vllm_available
+from trl_dart_es.trainer.baseline import baseline_cache_parts, generation_precision
 
 AMX_CPU = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
 AVX2_CPU = "processor : 0\nflags\t\t: fpu sse2 avx2 fma\n"
@@ -38,6 +39,17 @@ def test_generation_dtype_resolves_per_request_model_and_hardware():
     assert resolve_generation_dtype("float32", bf16, on_cuda=False) == fp32
     with pytest.raises(ValueError, match="generation_dtype='bf16'"):
         resolve_generation_dtype("bf16", fp32, on_cuda=False)
+
+
+def test_generation_precision_enters_cache_keys_only_when_set():
+    from types import SimpleNamespace as NS
+
+    engine = NS(dtype=torch.bfloat16)
+    assert generation_precision(NS(args=NS(generation_dtype=None), rollout=NS(engine=engine))) == {}
+    assert generation_precision(NS(args=NS(generation_dtype="auto"), rollout=NS(engine=engine))) == {
+        "generation_dtype": "torch.bfloat16"
+    }
+    assert generation_precision(NS(args=NS(generation_dtype="auto"), rollout=NS())) == {}  # no engine
 
 
 def test_config_refuses_a_bad_generation_dtype_and_one_without_vllm(tmp_path):
@@ -70,6 +82,9 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
     )
     try:
         assert trainer.rollout.engine.dtype == torch.bfloat16
+        # The cached untrained score is keyed by the precision too: bf16 scores differently from fp32.
+        parts = baseline_cache_parts(trainer, toy_dataset(8), "embedded:smollm2-135m")
+        assert parts["generation_dtype"] == "torch.bfloat16"
         updates = []
         update = trainer.es_params.update
 

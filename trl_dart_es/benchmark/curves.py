@@ -266,7 +266,7 @@ def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path 
     """Where the untrained model's metrics are cached (the one cache of `trl_dart_es.trainer.baseline`, for an
     embedded model only); the key holds everything that changes the harness's evaluation, the held-out rows
     themselves included."""
-    from ..trainer.baseline import untrained_cache_file
+    from ..trainer.baseline import generation_precision, untrained_cache_file
 
     args = trainer.args
     parts = {
@@ -278,6 +278,7 @@ def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path 
         "peft": hasattr(trainer.model, "peft_config"),
         "reward_weights": [float(w) for w in (args.reward_weights or [])],
         "device": str(next(trainer.model.parameters()).device.type),
+        **(generation_precision(trainer) if kind == "es" else {}),
     }  # fmt: skip
     return untrained_cache_file(workload.model, parts, prefix="harness-")
 

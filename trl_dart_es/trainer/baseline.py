@@ -42,7 +42,17 @@ def baseline_cache_parts(trainer: DartESTrainer, dataset: Dataset, model_name: s
         "reward_weights": [float(w) for w in trainer.reward_weights],
         "solved_threshold": args.solved_threshold,
         "primary_reward_index": args.primary_reward_index,
+        **generation_precision(trainer),
     }
+
+
+def generation_precision(trainer: DartESTrainer) -> dict[str, str]:
+    """The engine's precision when `generation_dtype` sets one ({} otherwise, so that keys made before the
+    option existed still match): bf16 generation scores differently from fp32."""
+    engine = getattr(getattr(trainer, "rollout", None), "engine", None)
+    if getattr(trainer.args, "generation_dtype", None) is None or getattr(engine, "dtype", None) is None:
+        return {}
+    return {"generation_dtype": str(engine.dtype)}
 
 
 def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str) -> str:
