@@ -121,13 +121,6 @@ def load_gsm8k(
 # Synthetic GSM8K-style problems (offline)
 # ----------------------------------------------------------------------------------------------------------
 
-_PEOPLE = [
-    ("Tom", "he", "his"), ("Anna", "she", "her"), ("Liam", "he", "his"), ("Sofia", "she", "her"),
-    ("Omar", "he", "his"), ("Grace", "she", "her"), ("Noah", "he", "his"), ("Maya", "she", "her"),
-    ("Ben", "he", "his"), ("Lucy", "she", "her"), ("Ravi", "he", "his"), ("Emma", "she", "her"),
-    ("Carlos", "he", "his"), ("Zoe", "she", "her"), ("Kenji", "he", "his"), ("Nora", "she", "her"),
-    ("Sam", "he", "his"), ("Leah", "she", "her"), ("Hugo", "he", "his"), ("Ivy", "she", "her"),
-]  # fmt: skip
 _FRIENDS = ["a friend", "a neighbour", "a classmate", "a cousin", "a teacher", "a brother", "a sister"]
 _OBJECTS = [
     "apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "beads",
@@ -165,7 +158,7 @@ def _split_of(question: str) -> str:
 
 def _generate_problem(rng: random.Random, level: int, max_start: int, max_delta: int) -> dict[str, Any]:
     """One templated word problem with exactly `level` operations, integer results and no negative amounts."""
-    name, he, his = rng.choice(_PEOPLE)
+    name, he, his = rng.choice(word_problems.NAMES_V1)
     obj = rng.choice(_OBJECTS)
     He = he.capitalize()
     ops_left = level

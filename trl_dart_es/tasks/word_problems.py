@@ -17,12 +17,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
-_NAMES = [
+# (name, pronoun, possessive): version 1 draws from the first 20, version 2 from all 48.
+NAMES_V1 = [
     ("Tom", "he", "his"), ("Anna", "she", "her"), ("Liam", "he", "his"), ("Sofia", "she", "her"),
     ("Omar", "he", "his"), ("Grace", "she", "her"), ("Noah", "he", "his"), ("Maya", "she", "her"),
     ("Ben", "he", "his"), ("Lucy", "she", "her"), ("Ravi", "he", "his"), ("Emma", "she", "her"),
     ("Carlos", "he", "his"), ("Zoe", "she", "her"), ("Kenji", "he", "his"), ("Nora", "she", "her"),
     ("Sam", "he", "his"), ("Leah", "she", "her"), ("Hugo", "he", "his"), ("Ivy", "she", "her"),
+]  # fmt: skip
+_NAMES = NAMES_V1 + [
     ("Ahmed", "he", "his"), ("Chloe", "she", "her"), ("Diego", "he", "his"), ("Fatima", "she", "her"),
     ("Jonas", "he", "his"), ("Priya", "she", "her"), ("Mateo", "he", "his"), ("Hana", "she", "her"),
     ("Felix", "he", "his"), ("Amara", "she", "her"), ("Yusuf", "he", "his"), ("Elena", "she", "her"),
