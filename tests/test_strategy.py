@@ -199,7 +199,7 @@ def test_running_zscore_scales_by_the_mean_std_so_far_and_resumes():
     np.testing.assert_array_equal(after[0], after[1])
 
 
-@pytest.mark.parametrize("module", ["noise", "perturb", "difficulty", "replay", "fitness", "strategy"])
+@pytest.mark.parametrize("module", ["noise", "perturb", "difficulty", "replay", "fitness", "layout", "strategy"])
 def test_core_modules_import_no_model_or_trainer_code(module):
     import ast
     import importlib.util
@@ -214,7 +214,7 @@ def test_core_modules_import_no_model_or_trainer_code(module):
             imported.add(("." * node.level) + (node.module or "").split(".")[0])
     allowed = {"__future__", "contextlib", "dataclasses", "hashlib", "math", "os", "threading", "typing"}
     allowed |= {"warnings", "collections", "concurrent", "numpy", "torch"}
-    allowed |= {".noise", ".difficulty", ".fitness", ".replay"}
+    allowed |= {".noise", ".difficulty", ".fitness", ".layout", ".replay"}
     assert imported <= allowed, imported - allowed
 
 

@@ -82,12 +82,14 @@ class DifficultyState:
         self._buffer: set[str] = set()
 
     # -------------------------------------------------------------------------------------------- update
-    def update(self, ids: Sequence[str], solved) -> np.ndarray:
+    def update(self, ids: Sequence[str], solved, evaluated=None) -> np.ndarray:
         """Record one ES step's outcomes and return the batch's weights (aligned with ``ids``).
 
         Args:
             ids: the batch's problem ids (unique).
             solved: N x B array of 0/1 (population x batch, columns in the order of ``ids``).
+            evaluated: N x B bool, the members that scored each problem (a grouped layout); None: all of them.
+                The pass rate p_j and the count c_j are over the members that scored j.
         """
         ids = _check_ids(ids)
         a = np.asarray(solved)
@@ -99,8 +101,20 @@ class DifficultyState:
             bad = a[~np.isin(a, (0, 1))].ravel()[:3].tolist()
             raise ValueError(f"solved must contain only 0 and 1, found {bad}")
         a = a.astype(np.int64)
-        counts = a.sum(axis=0)
-        rates = counts / a.shape[0]
+        if evaluated is None:
+            counts = a.sum(axis=0)
+            rates = counts / a.shape[0]
+        else:
+            e = np.asarray(evaluated, dtype=bool)
+            if e.shape != a.shape:
+                raise ValueError(f"evaluated must have the shape of solved {a.shape}, got {e.shape}")
+            scorers = e.sum(axis=0)
+            if (scorers == 0).any():
+                raise ValueError(
+                    f"no member scored problem(s) {[ids[j] for j in np.flatnonzero(scorers == 0)][:5]}"
+                )
+            counts = (a * e).sum(axis=0)
+            rates = counts / scorers
         lam, tau = self.ema_decay, self.replay_pass_threshold
         for pid, c, p in zip(ids, counts.tolist(), rates.tolist(), strict=True):
             # Step 5: EMA (first visit: the observed rate) and zero-pass streak.

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .layout import centre_fitness
+
 __all__ = ["FITNESS_SHAPING", "dart_fitness", "shape_fitness", "solved_matrix"]
 
 FITNESS_SHAPING = ("zscore", "rank", "running-zscore")
@@ -62,7 +64,9 @@ def dart_fitness(rewards, weights, reward_weights: Sequence[float], *, primary_i
     return beta @ mean
 
 
-def shape_fitness(fitness, method: str = "zscore", *, scale: float | None = None) -> np.ndarray | None:
+def shape_fitness(
+    fitness, method: str = "zscore", *, scale: float | None = None, groups=None
+) -> np.ndarray | None:
     """Normalise fitness into the coefficients ``z`` of the ES update.
 
     * ``"zscore"`` (reference): ``(F - mean F) / (std F + 1e-8)`` with the population std (ddof 0).
@@ -71,7 +75,12 @@ def shape_fitness(fitness, method: str = "zscore", *, scale: float | None = None
       strategy passes the mean fitness std over the run's steps so far). Unlike a per-step z-score, a step
       whose members differ by one problem moves the weights less than one where they differ by ten.
 
-    Returns None when every fitness value is equal: there is no signal and the update should be skipped.
+    With ``groups`` (one group id per member, a grouped population layout) fitness is centred within each
+    group instead of over the population, and divided by the std of the centred values (``"zscore"``) or by
+    ``scale`` (``"running-zscore"``); ranks are not defined across groups.
+
+    Returns None when every fitness value is equal (with ``groups``: equal within every group): there is no
+    signal and the update should be skipped.
     """
     if method not in FITNESS_SHAPING:
         raise ValueError(f"fitness shaping must be one of {FITNESS_SHAPING}, got {method!r}")
@@ -80,15 +89,31 @@ def shape_fitness(fitness, method: str = "zscore", *, scale: float | None = None
         raise ValueError(f"fitness must be a non-empty 1-D array, got shape {f.shape}")
     if not np.isfinite(f).all():
         raise ValueError(f"fitness must be finite, got {f.tolist()}")
+    if groups is not None:
+        if method == "rank":
+            raise ValueError(
+                "rank shaping is not defined for a grouped layout: use 'zscore' or 'running-zscore'"
+            )
+        centred = centre_fitness(f, groups)
+        if not centred.any():
+            return None
+        if method == "running-zscore":
+            _check_scale(scale)
+            return centred / (scale + 1e-8)
+        return centred / (centred.std() + 1e-8)
     if np.all(f == f[0]):
         return None
     if method == "running-zscore":
-        if scale is None or not math.isfinite(scale) or scale < 0:
-            raise ValueError(f"running-zscore needs a finite scale >= 0, got {scale!r}")
+        _check_scale(scale)
         return (f - f.mean()) / (scale + 1e-8)
     if method == "zscore":
         return (f - f.mean()) / (f.std() + 1e-8)
     return _average_ranks(f) / (f.size - 1) - 0.5
+
+
+def _check_scale(scale: float | None) -> None:
+    if scale is None or not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"running-zscore needs a finite scale >= 0, got {scale!r}")
 
 
 def _average_ranks(f: np.ndarray) -> np.ndarray:

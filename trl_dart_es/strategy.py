@@ -25,6 +25,7 @@ import numpy as np
 
 from .difficulty import DifficultyState
 from .fitness import FITNESS_SHAPING, dart_fitness, shape_fitness, solved_matrix
+from .layout import PopulationLayout, centre_fitness
 from .noise import Member, derive_step_seed, population
 from .replay import BatchPlanner, PlannedBatch
 
@@ -75,6 +76,10 @@ class DartES:
         ema_decay, weight_floor, weight_exponent, replay_pass_threshold, zero_pass_patience: see
             :class:`~trl_dart_es.difficulty.DifficultyState`.
         replay_ratio, max_replays_per_epoch, replay_cooldown: see :class:`~trl_dart_es.replay.BatchPlanner`.
+        population_layout: "shared" (reference: every member scores every problem) or "grouped" (groups of
+            ``members_per_group`` members each score their own block of the batch, fitness centred per group);
+            see :mod:`~trl_dart_es.layout`.
+        members_per_group: M of the grouped layout.
     """
 
     def __init__(
@@ -99,6 +104,8 @@ class DartES:
         replay_ratio: float = 0.2,
         max_replays_per_epoch: int = 2,
         replay_cooldown: int = 1,
+        population_layout: str = "shared",
+        members_per_group: int | None = None,
     ) -> None:
         if int(population_size) != population_size or population_size < 2:
             raise ValueError(f"population_size must be an integer >= 2, got {population_size!r}")
@@ -106,6 +113,13 @@ class DartES:
             raise ValueError(f"antithetic sampling needs an even population_size, got {population_size}")
         if fitness_shaping not in FITNESS_SHAPING:
             raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPING}, got {fitness_shaping!r}")
+        self.layout = PopulationLayout(population_layout, members_per_group)
+        self.layout.check(int(population_size), int(batch_size), bool(antithetic))
+        if self.layout.grouped and fitness_shaping == "rank":
+            raise ValueError(
+                "fitness_shaping='rank' is not defined for population_layout='grouped' (fitness is centred per "
+                "group): use 'zscore' or 'running-zscore'"
+            )
         self.reward_weights = np.asarray(reward_weights, dtype=np.float64)
         if self.reward_weights.ndim != 1 or self.reward_weights.size == 0:
             raise ValueError(f"reward_weights must be a non-empty list, got {reward_weights!r}")
@@ -152,6 +166,10 @@ class DartES:
         """The population of ES step ``step`` (a pure function of ``seed`` and ``step``)."""
         return population(derive_step_seed(self.seed, step), self.population_size, self.antithetic)
 
+    def columns(self, batch: PlannedBatch) -> list[list[int]]:
+        """For each member, the columns of `batch` it scores (all of them in the shared layout)."""
+        return self.layout.columns(self.population_size, len(batch.ids))
+
     def ask(self) -> tuple[PlannedBatch, list[Member]]:
         """The current step's batch and population. Asking again before :meth:`tell` returns the same."""
         if self._pending is None:
@@ -167,7 +185,8 @@ class DartES:
         Args:
             batch: the batch returned by the last :meth:`ask`.
             rewards: K x N x B rewards (reward function x member x problem, columns in ``batch.ids``
-                order). NaN marks a missing reward (left out of that member's means; never "solved").
+                order). NaN marks a missing reward (left out of that member's means; never "solved"). In a
+                grouped layout a member's rewards outside its :meth:`columns` are not read.
         """
         if self._pending is None or batch is not self._pending[0]:
             raise RuntimeError("tell() needs the batch returned by the last ask()")
@@ -176,9 +195,14 @@ class DartES:
         if r.shape != expected:
             raise ValueError(f"rewards must have shape (K, N, B) = {expected}, got {r.shape}")
 
+        scored = None
+        if self.layout.grouped:
+            scored = self.layout.mask(self.population_size, len(batch.ids))
+            r = np.where(scored[None], r, np.nan)
         solved = solved_matrix(r[self.primary_index], self.solved_threshold)
-        pass_rate = solved.mean(axis=0)
-        difficulty_w = self.difficulty.update(batch.ids, solved)  # always tracked: it drives replay and logs
+        pass_rate = solved.mean(axis=0) if scored is None else solved.sum(axis=0) / scored.sum(axis=0)
+        # always tracked: it drives replay and logs
+        difficulty_w = self.difficulty.update(batch.ids, solved, scored)
         weights = difficulty_w if self.use_difficulty_reweighting else np.ones(len(batch.ids))
         fitness = dart_fitness(r, weights, self.reward_weights, primary_index=self.primary_index)
         z = self._shape(fitness)
@@ -203,11 +227,12 @@ class DartES:
         )
 
     def _shape(self, fitness: np.ndarray) -> np.ndarray | None:
+        groups = self.layout.groups(self.population_size) if self.layout.grouped else None
         if self.fitness_shaping != "running-zscore":
-            return shape_fitness(fitness, self.fitness_shaping)
-        std = float(fitness.std())
+            return shape_fitness(fitness, self.fitness_shaping, groups=groups)
+        std = float(fitness.std() if groups is None else centre_fitness(fitness, groups).std())
         scale = (self._fitness_std_sum + std) / (self._fitness_std_count + 1)  # this step included
-        z = shape_fitness(fitness, "running-zscore", scale=scale)
+        z = shape_fitness(fitness, "running-zscore", scale=scale, groups=groups)
         # Counted only once shape_fitness accepted it: a step with no signal (z None) is skipped and left out of
         # the scale, and non-finite fitness raises before it can enter the saved state.
         if z is not None:
@@ -241,6 +266,8 @@ class DartES:
             "use_difficulty_reweighting": self.use_difficulty_reweighting,
             "use_targeted_replay": self.use_targeted_replay,
             "fitness_shaping": self.fitness_shaping,
+            "population_layout": self.layout.kind,
+            "members_per_group": self.layout.members_per_group,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -105,6 +105,26 @@ METHODS: dict[str, BenchMethod] = {
             {**_DART_ON, **_VLLM_FULL},
             requires=("vllm",),
         ),
+        # The same two rows with the engine in bf16 (generation_dtype; the evolved weights stay fp32): optional,
+        # since bf16 is only fast where the CPU computes it (avx512_bf16 or AMX) or on a GPU.
+        BenchMethod(
+            "dart-es-vllm-lowrank-bf16",
+            "es",
+            "dart-es-vllm-lowrank with the vLLM engine in bf16 (fp32 master weights)",
+            _ES_CONFIGS,
+            {**_DART_ON, **_VLLM_LOWRANK, "generation_dtype": "bfloat16"},
+            default=False,
+            requires=("vllm",),
+        ),
+        BenchMethod(
+            "inference-vllm-bf16",
+            "inference",
+            "inference-vllm with the engine in bf16",
+            _ES_CONFIGS,
+            {**_DART_ON, **_VLLM_FULL, "generation_dtype": "bfloat16"},
+            default=False,
+            requires=("vllm",),
+        ),
         BenchMethod(
             "dart-es-lowrank",
             "es",

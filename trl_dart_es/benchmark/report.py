@@ -109,8 +109,12 @@ def _throughput_lines(rows: Sequence[dict]) -> list[str]:
     """How close each ES row's rollout throughput comes to pure batched inference of the same rollouts."""
     ok = {r["method"]: r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")}
     lines: list[str] = []
-    # vLLM rows are compared with vLLM's own batched inference, the others with transformers'.
-    for reference, is_vllm in (("inference", False), ("inference-vllm", True)):
+    # vLLM rows are compared with vLLM's own batched inference (bf16 rows with bf16's), the others with
+    # transformers'.
+    def engine(name: str) -> str:
+        return ("vllm-bf16" if name.endswith("-bf16") else "vllm") if "vllm" in name else "transformers"
+
+    for reference in ("inference", "inference-vllm", "inference-vllm-bf16"):
         if reference not in ok:
             continue
         ceiling = ok[reference]["tokens_per_s"]
@@ -120,7 +124,7 @@ def _throughput_lines(rows: Sequence[dict]) -> list[str]:
             for name, r in ok.items()
             if not name.startswith("inference")
             and r.get("generation_tokens_per_s") is not None
-            and ("vllm" in name) == is_vllm
+            and engine(name) == engine(reference)
         ]
         if items:  # an inference row alone has nothing to compare with it
             lines += [

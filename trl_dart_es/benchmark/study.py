@@ -109,8 +109,9 @@ def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tup
     variant = dict(presets()[name])
     style = variant.pop("prompt_style", "steps")
     budget = variant.pop("budget_minutes", None)
-    variant.pop("train_levels", None)  # the train split's difficulty levels: run_one's, not the config's
+    variant.pop("train_levels", None)  # the train split's difficulty levels: run_preset's, not the config's
     variant.pop("eval_every", None)  # the caller's `eval_every` argument
+    variant.pop("task_version", None)  # the task generator's version: run_preset's, not the config's
     if budget:
         variant["max_steps"] = 10_000
     values = {
@@ -123,13 +124,20 @@ def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tup
     return script_args, cfg, model_args, style, budget
 
 
+def task_options(name: str) -> dict[str, Any]:
+    """The preset's task generator version (`task_version`), as `load_task_dataset` takes it; {} for the default."""
+    version = presets()[name].get("task_version")
+    return {"version": version} if version is not None else {}
+
+
 def train_split(name: str, dataset_name: str, style: str):
-    """The preset's train set: the task's train split in `style`, restricted to its `train_levels` if set."""
+    """The preset's train set: the task's train split in `style` (and `task_version`), restricted to its
+    `train_levels` if set."""
     from ..tasks import load_task_dataset
 
     levels = presets()[name].get("train_levels")
     options = {"levels": tuple(levels)} if levels else {}
-    return load_task_dataset(dataset_name, "train", prompt_style=style, **options)
+    return load_task_dataset(dataset_name, "train", prompt_style=style, **options, **task_options(name))
 
 
 def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -143,7 +151,11 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
         script_args, cfg, model_args, style, budget = preset_config(name, seed, out, eval_every(name, args))
         train = train_split(name, script_args.dataset_name, style)
         held_out = load_task_dataset(
-            script_args.dataset_name, "test", prompt_style=style, num_examples=args.eval_prompts
+            script_args.dataset_name,
+            "test",
+            prompt_style=style,
+            num_examples=args.eval_prompts,
+            **task_options(name),
         )
         clock = StepClock(budget * 60 if budget else None)
         trainer = DartESTrainer(
@@ -194,6 +206,13 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
     }  # fmt: skip
 
 
+def _rollouts_per_step(variant: dict[str, Any]) -> int:
+    from ..layout import PopulationLayout
+
+    layout = PopulationLayout(variant.get("population_layout", "shared"), variant.get("members_per_group"))
+    return layout.rollouts(variant["population_size"], variant["per_device_train_batch_size"])
+
+
 def run_path(runs_dir: str | Path, name: str, seed: int) -> Path:
     return Path(runs_dir) / f"{name}-seed{seed}.json"
 
@@ -229,7 +248,7 @@ def report(args: argparse.Namespace) -> None:
             "gain_mean": mean, "gain_ci95": [lo, hi], "gains": gains,
             "train_min": statistics.fmean(r["train_seconds"] for r in mine) / 60,
             "steps": statistics.fmean(r["points"][-1]["step"] for r in mine),
-            "rollouts": mine[0]["points"][-1]["step"] * v["population_size"] * v["per_device_train_batch_size"],
+            "rollouts": mine[0]["points"][-1]["step"] * _rollouts_per_step(v),
         })  # fmt: skip
     out = Path(args.output_dir) / "study"
     out.parent.mkdir(parents=True, exist_ok=True)

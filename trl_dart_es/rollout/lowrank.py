@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from ..lowrank import LowRankParameters
 from ..noise import Member, tensor_seed
-from .base import Generation
+from .base import Generation, member_columns
 from .prompts import render_prompts
 from .transformers import TransformersRollout
 
@@ -76,32 +76,38 @@ class LowRankRollout(TransformersRollout):
         ]
 
     @torch.no_grad()
-    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
-        """One `Generation` per member for all `prompts`, from batched `generate` calls over member-major rows."""
+    def generate_population(
+        self,
+        prompts: Sequence[Any],
+        members: Sequence[Member],
+        columns: Sequence[Sequence[int]] | None = None,
+    ) -> list[Generation]:
+        """One `Generation` per member for its prompts (all, or `columns[n]`: equally many per member), from
+        batched `generate` calls over member-major rows."""
         if self.params.is_perturbed:
             raise RuntimeError("generate_population() needs the base weights; a member is still applied")
         members = list(members)
         if not members:
             return []
+        cols = member_columns(len(prompts), len(members), columns)
+        if len({len(mine) for mine in cols}) > 1:
+            raise ValueError("the batched low-rank rollout needs equally many prompts per member")
         texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
         device = next(self.model.parameters()).device
+        shared = columns is None
         encoded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         out_texts: list[list[str]] = [[] for _ in members]
         out_ids: list[list[list[int]]] = [[] for _ in members]
-        for call, (mslice, pslice) in enumerate(self.plan(len(texts), len(members))):
-            key = (pslice.start, pslice.stop)
-            if key not in encoded:  # the same prompts for every member: tokenize each slice once
-                enc = self.tokenizer(
-                    texts[pslice],
-                    return_tensors="pt",
-                    padding=True,
-                    padding_side="left",
-                    add_special_tokens=False,
-                )
-                encoded[key] = {k: v.to(device) for k, v in enc.items()}
-            enc = encoded[key]
+        for call, (mslice, pslice) in enumerate(self.plan(len(cols[0]), len(members))):
             group = members[mslice]
-            rows = {k: v.repeat(len(group), *([1] * (v.dim() - 1))) for k, v in enc.items()}
+            if shared:  # the same prompts for every member: tokenize each slice once, repeat per member
+                key = (pslice.start, pslice.stop)
+                if key not in encoded:
+                    encoded[key] = self._tokenize(texts[pslice], device)
+                enc = encoded[key]
+                rows = {k: v.repeat(len(group), *([1] * (v.dim() - 1))) for k, v in enc.items()}
+            else:  # each member its own prompts, member-major
+                rows = self._tokenize([texts[i] for mine in cols[mslice] for i in mine[pslice]], device)
             if self.generation_config.do_sample:  # reproducible per (population, call)
                 torch.manual_seed(tensor_seed(group[0].seed, f"lowrank-rollout/{call}"))
             with self.params.batched(group):
@@ -109,10 +115,16 @@ class LowRankRollout(TransformersRollout):
                 sequences = self.model.generate(
                     **rows, generation_config=self.generation_config, tokenizer=self.tokenizer
                 )
-            gen = self._decode(sequences, enc["input_ids"].shape[1])
+            gen = self._decode(sequences, rows["input_ids"].shape[1])
             per_member = len(gen.texts) // len(group)  # num_return_sequences/beams keep member blocks whole
             for g in range(len(group)):
                 block = slice(g * per_member, (g + 1) * per_member)
                 out_texts[mslice.start + g] += gen.texts[block]
                 out_ids[mslice.start + g] += gen.token_ids[block]
         return [Generation(texts=t, token_ids=i) for t, i in zip(out_texts, out_ids, strict=True)]
+
+    def _tokenize(self, texts: list[str], device) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        )
+        return {k: v.to(device) for k, v in enc.items()}

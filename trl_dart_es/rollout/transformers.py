@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from ..noise import Member
 from ..perturb import EvolvedParameters
-from .base import Generation
+from .base import Generation, member_columns
 from .prompts import render_prompts
 
 
@@ -139,16 +139,24 @@ class TransformersRollout:
             raise RuntimeError("generate() must see unperturbed weights; a member is still applied")
         return self._generate_encoded(self._encode(prompts), seed=self.sampling_seed)
 
-    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
-        chunks = self._encode(prompts)  # the prompts are the same for every member: tokenize once
+    def generate_population(
+        self,
+        prompts: Sequence[Any],
+        members: Sequence[Member],
+        columns: Sequence[Sequence[int]] | None = None,
+    ) -> list[Generation]:
+        cols = member_columns(len(prompts), len(members), columns)
+        chunks: dict[tuple[int, ...], list] = {}  # tokenize each member's prompt set once
         out = []
         self.last_perturb_time = 0.0  # ES bookkeeping inside the population loop, logged as time/perturb
         try:
-            for member in members:
+            for member, mine in zip(members, cols, strict=True):
+                if mine not in chunks:
+                    chunks[mine] = self._encode([prompts[i] for i in mine])
                 t0 = time.perf_counter()
                 self.params.perturb(member)  # straight from member n to n+1: no restore in between
                 self.last_perturb_time += time.perf_counter() - t0
-                out.append(self._generate_encoded(chunks, seed=member.seed))
+                out.append(self._generate_encoded(chunks[mine], seed=member.seed))
         finally:
             t0 = time.perf_counter()
             self.params.restore()

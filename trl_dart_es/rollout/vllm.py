@@ -38,7 +38,7 @@ from transformers import GenerationConfig
 
 from ..noise import Member
 from ..perturb import EvolvedParameters
-from .base import Generation
+from .base import Generation, member_columns
 from .prompts import render_prompts
 
 # The engine's lifecycle lives in vllm_engine; its public names stay importable from here.
@@ -291,20 +291,27 @@ class VLLMRollout:
         self._sleep()
         return out
 
-    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
-        """One `Generation` per member, all prompts in one engine call each; the HF model is unperturbed on
-        return and the engine is left holding the last member (the next `generate` pushes the base back)."""
-        encoded = self._encode(prompts)  # the prompts are the same for every member: tokenize once
+    def generate_population(
+        self,
+        prompts: Sequence[Any],
+        members: Sequence[Member],
+        columns: Sequence[Sequence[int]] | None = None,
+    ) -> list[Generation]:
+        """One `Generation` per member, its prompts (all, or `columns[n]`) in one engine call each; the HF model
+        is unperturbed on return and the engine is left holding the last member (the next `generate` pushes the
+        base back)."""
+        cols = member_columns(len(prompts), len(members), columns)
+        encoded = self._encode(prompts)  # tokenize once; a member takes its rows
         out = []
         self.last_perturb_time = 0.0  # perturbing and pushing each member: ES bookkeeping, not generation
         try:
-            for member in members:
+            for member, mine in zip(members, cols, strict=True):
                 t0 = time.perf_counter()
                 self.params.perturb(member)  # straight from member n to n+1: no restore in between
                 self.engine.holds = None
                 _push_weights(self.engine, engine_weights(self.model))
                 self.last_perturb_time += time.perf_counter() - t0
-                out.append(self._generate_encoded(encoded, seed=member.seed))
+                out.append(self._generate_encoded([encoded[i] for i in mine], seed=member.seed))
         finally:
             t0 = time.perf_counter()
             self.params.restore()

@@ -39,7 +39,7 @@ from transformers import GenerationConfig
 
 from ..lowrank import LowRankParameters, owning_module
 from ..noise import Member
-from .base import Generation
+from .base import Generation, member_columns
 from .vllm import VLLMRollout
 from .vllm_engine import _Engine, _is_peft_model, start_engine_for_trainer
 
@@ -217,14 +217,21 @@ class VLLMLowRankRollout(VLLMRollout):
             shutil.rmtree(folder, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ public
-    def generate_population(self, prompts: Sequence[Any], members: Sequence[Member]) -> list[Generation]:
+    def generate_population(
+        self,
+        prompts: Sequence[Any],
+        members: Sequence[Member],
+        columns: Sequence[Sequence[int]] | None = None,
+    ) -> list[Generation]:
         """One `Generation` per member: the base weights (pushed if the engine lacks them), one adapter per
-        member, all N x B rows in ONE engine call; the adapters are removed on return."""
+        member, every member's rows (all prompts, or `columns[n]`) in ONE engine call; the adapters are removed
+        on return."""
         if self.params.is_perturbed:
             raise RuntimeError("generate_population() needs the base weights; a member is still applied")
         members = list(members)
         if not members:
             return []
+        cols = member_columns(len(prompts), len(members), columns)
         if len(members) > self.max_loras:
             raise ValueError(
                 f"{len(members)} members but the engine serves at most {self.max_loras} adapters"
@@ -238,9 +245,13 @@ class VLLMLowRankRollout(VLLMRollout):
         try:
             self._add_adapters(members, requests)
             self.last_perturb_time = time.perf_counter() - t0
-            rows = encoded * len(members)  # member-major: row i belongs to member i // B
-            sampling = [sp for m in members for sp in self._sampling_params(len(encoded), m.seed)]
-            loras = [r for r in requests for _ in encoded]
+            rows = [encoded[i] for mine in cols for i in mine]  # member-major
+            sampling = [
+                sp
+                for m, mine in zip(members, cols, strict=True)
+                for sp in self._sampling_params(len(mine), m.seed)
+            ]
+            loras = [r for r, mine in zip(requests, cols, strict=True) for _ in mine]
             outputs = self.engine.generate(rows, sampling, lora_request=loras)
         finally:
             t1 = time.perf_counter()
@@ -248,12 +259,14 @@ class VLLMLowRankRollout(VLLMRollout):
             self.last_perturb_time += time.perf_counter() - t1
         ids = [list(out.outputs[0].token_ids) for out in outputs]
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
-        b = len(encoded)
         self._sleep()
-        return [
-            Generation(texts=texts[g * b : (g + 1) * b], token_ids=ids[g * b : (g + 1) * b])
-            for g in range(len(members))
-        ]
+        out, start = [], 0
+        for mine in cols:
+            out.append(
+                Generation(texts=texts[start : start + len(mine)], token_ids=ids[start : start + len(mine)])
+            )
+            start += len(mine)
+        return out
 
 
 # ---------------------------------------------------------------------------------- worker-side helpers

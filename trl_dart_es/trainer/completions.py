@@ -65,7 +65,7 @@ def frac_reward_zero_std(total: np.ndarray) -> float:
     """
     if total.size == 0:
         return float("nan")
-    return float(np.isclose(total.std(axis=0), 0.0).mean())
+    return float(np.isclose(np.nanstd(total, axis=0), 0.0).mean())  # NaN: a member that did not score it
 
 
 def gather_step_completions(
@@ -111,10 +111,12 @@ def gather_step_completions(
     )
 
 
-def count_prompt_tokens(prompts: Sequence[Any], tokenizer, chat_template_kwargs: dict | None = None) -> int:
-    """Tokens of the rendered prompts, as the generation backends tokenize them (no special tokens added)."""
+def count_prompt_tokens(
+    prompts: Sequence[Any], tokenizer, chat_template_kwargs: dict | None = None
+) -> list[int]:
+    """Tokens of each rendered prompt, as the generation backends tokenize them (no special tokens added)."""
     texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
-    return sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def completions_table(
@@ -126,35 +128,40 @@ def completions_table(
     rewards: np.ndarray,
     reward_names: Sequence[str],
     result: TellResult,
+    member_columns: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, list[Any]]:
     """GRPO's completions table for one ES step, one row per (member, problem), member-major.
 
     Columns: `step`, `member`, `member_seed`, `prompt`, `completion`, one per reward function, `advantage` (the
     member's shaped fitness z_n; 0 on a skipped step, as GRPO zeroes a NaN advantage), then the ES columns
     `member_sign` (antithetic pairs share a seed), `fitness` (raw F_n), `problem_id`, `replayed` and
-    `difficulty_weight` (w_j).
+    `difficulty_weight` (w_j). In a grouped layout member n has rows for its problems `member_columns[n]` only.
     """
     if completions.texts is None:
         raise ValueError("completions_table needs the completions' texts (gathered with with_texts=True)")
     n_members, b = completions.lengths.shape
+    cols = [list(range(b))] * n_members if member_columns is None else [list(c) for c in member_columns]
     z = np.zeros(n_members) if result.z is None else np.asarray(result.z, dtype=np.float64)
-    rows = [(n, j) for n in range(n_members) for j in range(b)]
-    completion_cells = [as_completions(prompts, texts) for texts in completions.texts]
+    # (member, problem column, index of the completion within the member's own)
+    rows = [(n, j, i) for n in range(n_members) for i, j in enumerate(cols[n])]
+    completion_cells = [
+        as_completions([prompts[j] for j in cols[n]], texts) for n, texts in enumerate(completions.texts)
+    ]
     table: dict[str, list[Any]] = {
         "step": [step] * len(rows),
-        "member": [n for n, _ in rows],
-        "member_seed": [int(members[n].seed) for n, _ in rows],
-        "prompt": [prompts[j] for _, j in rows],
-        "completion": [completion_cells[n][j] for n, j in rows],
+        "member": [n for n, _, _ in rows],
+        "member_seed": [int(members[n].seed) for n, _, _ in rows],
+        "prompt": [prompts[j] for _, j, _ in rows],
+        "completion": [completion_cells[n][i] for n, _, i in rows],
     }
     for k, name in enumerate(reward_names):
-        table[name] = [float(rewards[k, n, j]) for n, j in rows]
-    table["advantage"] = [float(z[n]) for n, _ in rows]
-    table["member_sign"] = [int(members[n].sign) for n, _ in rows]
-    table["fitness"] = [float(result.fitness[n]) for n, _ in rows]
-    table["problem_id"] = [batch.ids[j] for _, j in rows]
-    table["replayed"] = [bool(batch.replayed[j]) for _, j in rows]
-    table["difficulty_weight"] = [float(result.weights[j]) for _, j in rows]
+        table[name] = [float(rewards[k, n, j]) for n, j, _ in rows]
+    table["advantage"] = [float(z[n]) for n, _, _ in rows]
+    table["member_sign"] = [int(members[n].sign) for n, _, _ in rows]
+    table["fitness"] = [float(result.fitness[n]) for n, _, _ in rows]
+    table["problem_id"] = [batch.ids[j] for _, j, _ in rows]
+    table["replayed"] = [bool(batch.replayed[j]) for _, j, _ in rows]
+    table["difficulty_weight"] = [float(result.weights[j]) for _, j, _ in rows]
     return table
 
 
@@ -167,11 +174,12 @@ def record_step_completions(
     gens: Sequence[Generation],
     rewards: np.ndarray,
     result: TellResult,
+    member_columns: Sequence[Sequence[int]] | None = None,
 ) -> tuple[dict[str, float], dict[str, list[Any]] | None]:
     """The step's `completions/*` metrics and, with `log_completions` on the main process, its table.
 
-    Also adds the step's prompt and completion tokens (every member reads every prompt) to
-    `trainer.state.num_input_tokens_seen`, TRL's `num_tokens`.
+    Also adds the step's prompt and completion tokens (each member reads its prompts: all of them, or
+    `member_columns[n]` in a grouped layout) to `trainer.state.num_input_tokens_seen`, TRL's `num_tokens`.
     """
     args = trainer.args
     step = trainer.state.global_step + 1  # the step being run; Trainer increments global_step after it
@@ -185,12 +193,25 @@ def record_step_completions(
         timeout=args.ddp_timeout,
         step=step,
     )
-    prompt_tokens = count_prompt_tokens(prompts, trainer.processing_class, args.chat_template_kwargs)
-    trainer.state.num_input_tokens_seen += len(members) * prompt_tokens + int(completions.lengths.sum())
+    per_prompt = count_prompt_tokens(prompts, trainer.processing_class, args.chat_template_kwargs)
+    read = (
+        len(members) * sum(per_prompt)
+        if member_columns is None
+        else sum(per_prompt[j] for cols in member_columns for j in cols)
+    )
+    trainer.state.num_input_tokens_seen += read + int(completions.lengths.sum())
     table = None
     if args.log_completions and trainer.accelerator.is_main_process:
         table = completions_table(
-            step, batch, prompts, members, completions, rewards, trainer.reward_func_names, result
+            step,
+            batch,
+            prompts,
+            members,
+            completions,
+            rewards,
+            trainer.reward_func_names,
+            result,
+            member_columns,
         )
     return completions.metrics(), table
 

@@ -14,6 +14,7 @@ from transformers import TrainingArguments
 
 from ..distributed import check_not_sharded
 from ..fitness import FITNESS_SHAPING as _SHAPINGS
+from ..layout import PopulationLayout
 
 _PERTURBATIONS = ("full", "lowrank")
 _LOWRANK_TARGETS = ("auto", "all", "lora")
@@ -136,6 +137,24 @@ class DartESConfig(TrainingArguments):
         metadata={
             "help": "'zscore' (reference), 'rank' (centred ranks) or 'running-zscore' (centred fitness over the "
             "mean fitness std of the run's steps so far: steps with small fitness differences move less)."
+        },
+    )
+    population_layout: str = field(
+        default="shared",
+        metadata={
+            "help": "Which problems each member scores. 'shared' (the reference): every member scores all "
+            "per_device_train_batch_size problems of the step. 'grouped' (EGGROLL's layout): members form groups of "
+            "members_per_group, the step's problems split into one equal block per group, and each group scores "
+            "its own block (members_per_group x per_device_train_batch_size rollouts per step); fitness is centred "
+            "within each group. See docs/method.md."
+        },
+    )
+    members_per_group: int | None = field(
+        default=None,
+        metadata={
+            "help": "Grouped layout: members that score each block of problems (even with antithetic pairs). "
+            "population_size must be a multiple of it and per_device_train_batch_size a multiple of "
+            "population_size / members_per_group. None with the shared layout."
         },
     )
     perturbation: str = field(
@@ -329,6 +348,15 @@ class DartESConfig(TrainingArguments):
             raise bad("gradient_accumulation_steps", "ES has no gradients to accumulate; use a larger batch")
         if self.fitness_shaping not in _SHAPINGS:
             raise bad("fitness_shaping", f"choose one of {_SHAPINGS}")
+        try:
+            layout = PopulationLayout(self.population_layout, self.members_per_group)
+            layout.check(self.population_size, self.per_device_train_batch_size, self.antithetic)
+        except ValueError as exc:
+            raise ValueError(f"DartESConfig: {exc}") from None
+        if layout.grouped and self.fitness_shaping == "rank":
+            raise bad(
+                "fitness_shaping", "ranks are not defined across groups: use 'zscore' or 'running-zscore'"
+            )
         if self.perturbation not in _PERTURBATIONS:
             raise bad("perturbation", f"choose one of {_PERTURBATIONS}")
         if self.perturbation_rank < 1:

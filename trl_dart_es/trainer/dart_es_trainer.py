@@ -238,6 +238,8 @@ class DartESTrainer(_BaseTrainer):
             primary_index=args.primary_reward_index,
             solved_threshold=args.solved_threshold,
             fitness_shaping=args.fitness_shaping,
+            population_layout=args.population_layout,
+            members_per_group=args.members_per_group,
             use_difficulty_reweighting=args.use_difficulty_reweighting,
             use_targeted_replay=args.use_targeted_replay,
             ema_decay=args.difficulty_ema_decay,
@@ -314,21 +316,37 @@ class DartESTrainer(_BaseTrainer):
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         return list(range(rank, n, world))
 
-    def _score(self, columns: dict[str, list[Any]], gens, repeat: int) -> np.ndarray:
-        """Rewards K×(repeat·B) for `repeat` generations of the same B rows, in one call per function."""
-        prompts = columns["prompt"] * repeat
+    def _score(
+        self, columns: dict[str, list[Any]], gens, member_columns: Sequence[Sequence[int]] | None = None
+    ) -> np.ndarray:
+        """Rewards K×M×B of M members' generations of the B rows, in one call per function: member i's of the
+        rows `member_columns[i]` (all rows without), NaN where a member did not generate (a grouped layout)."""
+        b = len(columns["prompt"])
+        picked = [list(range(b))] * len(gens) if member_columns is None else [list(c) for c in member_columns]
+        order = [j for c in picked for j in c]
+        cols = {k: [v[j] for j in order] for k, v in columns.items()}
+        prompts = cols["prompt"]
         texts = [t for g in gens for t in g.texts]
         ids = [t for g in gens for t in g.token_ids]
-        cols = {k: v * repeat for k, v in columns.items()}
-        return self.scorer(
-            prompts,
-            as_completions(prompts, texts),
-            ids,
-            cols,
-            trainer_state=self.state,
-            log_extra=lambda *a, **k: None,
-            log_metric=self._log_metric,
+        flat = np.asarray(
+            self.scorer(
+                prompts,
+                as_completions(prompts, texts),
+                ids,
+                cols,
+                trainer_state=self.state,
+                log_extra=lambda *a, **k: None,
+                log_metric=self._log_metric,
+            )
         )
+        if member_columns is None:
+            return flat.reshape(len(self.scorer), len(gens), b)
+        out = np.full((len(self.scorer), len(gens), b), np.nan)
+        start = 0
+        for i, c in enumerate(picked):
+            out[:, i, c] = flat[:, start : start + len(c)]
+            start += len(c)
+        return out
 
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
@@ -358,10 +376,16 @@ class DartESTrainer(_BaseTrainer):
         local = self._local_members(len(members))
         t_ask = time.perf_counter()
 
-        gens = self.rollout.generate_population(columns["prompt"], [members[n] for n in local])
-        check_population(gens, len(local), len(batch.ids))
+        # Grouped layout: each member generates for its own block of the batch (shared: every problem).
+        member_cols = self.strategy.columns(batch) if self.strategy.layout.grouped else None
+        local_cols = None if member_cols is None else [member_cols[n] for n in local]
+        extra = {} if local_cols is None else {"columns": local_cols}
+        gens = self.rollout.generate_population(columns["prompt"], [members[n] for n in local], **extra)
+        check_population(
+            gens, len(local), len(batch.ids) if local_cols is None else [len(c) for c in local_cols]
+        )
         t_gen = time.perf_counter()
-        local_rewards = self._score(columns, gens, len(local)).reshape(len(self.scorer), len(local), -1)
+        local_rewards = self._score(columns, gens, local_cols)
         t_reward = time.perf_counter()
 
         rewards, tokens = self._gather_rewards(
@@ -411,7 +435,7 @@ class DartESTrainer(_BaseTrainer):
         self._metrics["time/perturb"].append(perturb_time)
         # TRL's completion metrics; with `log_completions`, the step's rows of every member (main process only)
         step_metrics, self._last_samples = record_step_completions(
-            self, batch, columns["prompt"], members, local, gens, rewards, result
+            self, batch, columns["prompt"], members, local, gens, rewards, result, member_cols
         )
         for key, value in step_metrics.items():
             self._metrics[key].append(value)
@@ -463,7 +487,9 @@ class DartESTrainer(_BaseTrainer):
     ):
         m = self._metrics
         total = np.nansum(rewards * self.reward_weights[:, None, None], axis=0)  # N×B, GRPO's "reward"
-        per_member = total.mean(axis=1)
+        if self.strategy.layout.grouped:  # a member's total over its own block only
+            total = np.where(self.strategy.layout.mask(*total.shape), total, np.nan)
+        per_member = np.nanmean(total, axis=1)
         m["reward"].append(float(per_member.mean()))
         m["reward_std"].append(float(per_member.std()))
         m["frac_reward_zero_std"].append(frac_reward_zero_std(total))
@@ -528,7 +554,7 @@ class DartESTrainer(_BaseTrainer):
             check_population([gen], 1, len(columns["prompt"]))
             clipped = gen.num_clipped(self.args.max_completion_length, self.eos_token_ids)
             groups = {c: columns[c] for c in ACCURACY_GROUPS if c in columns}
-            local.append((self._score(columns, [gen], 1), gen.num_tokens, clipped, groups))
+            local.append((self._score(columns, [gen])[:, 0], gen.num_tokens, clipped, groups))
         if world > 1:
             what = f"evaluation ({metric_key_prefix})"
             per_rank = gather_object_with_timeout(local, timeout=self.args.ddp_timeout, what=what)

@@ -94,6 +94,8 @@ REFUSED_ON_RESUME = (
     "seed",
     "per_device_train_batch_size",
     "fitness_shaping",
+    "population_layout",
+    "members_per_group",
     "use_difficulty_reweighting",
     "use_targeted_replay",
     "exact_restore",
