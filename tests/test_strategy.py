@@ -199,7 +199,9 @@ def test_running_zscore_scales_by_the_mean_std_so_far_and_resumes():
     np.testing.assert_array_equal(after[0], after[1])
 
 
-@pytest.mark.parametrize("module", ["noise", "perturb", "difficulty", "replay", "fitness", "layout", "strategy"])
+@pytest.mark.parametrize(
+    "module", ["noise", "perturb", "difficulty", "replay", "fitness", "layout", "strategy"]
+)
 def test_core_modules_import_no_model_or_trainer_code(module):
     import ast
     import importlib.util

@@ -109,6 +109,7 @@ def _throughput_lines(rows: Sequence[dict]) -> list[str]:
     """How close each ES row's rollout throughput comes to pure batched inference of the same rollouts."""
     ok = {r["method"]: r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")}
     lines: list[str] = []
+
     # vLLM rows are compared with vLLM's own batched inference (bf16 rows with bf16's), the others with
     # transformers'.
     def engine(name: str) -> str:
