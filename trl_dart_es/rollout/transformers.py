@@ -11,7 +11,9 @@ from transformers import GenerationConfig
 
 from ..noise import Member
 from ..perturb import EvolvedParameters
+from ..precision import resolve_generation_dtype
 from .base import Generation, member_columns
+from .generation_copy import GenerationCopy
 from .prompts import render_prompts
 
 
@@ -63,6 +65,7 @@ class TransformersRollout:
         batch_size: int | None = None,
         chat_template_kwargs: dict | None = None,
         sampling_seed: int = 0,
+        generation_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -73,6 +76,25 @@ class TransformersRollout:
         self.sampling_seed = sampling_seed
         self.eos_token_ids = set(generation_config.eos_token_id or [])
         self.last_perturb_time = 0.0
+        # generation_dtype other than the model's: generate with a copy in that dtype (the model stays the master)
+        model_dtype = next(model.parameters()).dtype
+        self.copy = (
+            GenerationCopy(model, generation_dtype)
+            if generation_dtype is not None and generation_dtype != model_dtype
+            else None
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype generation runs in."""
+        return self.copy.dtype if self.copy is not None else next(self.model.parameters()).dtype
+
+    def generating_model(self) -> torch.nn.Module:
+        """The module that generates: the model, or its generation copy refreshed from the model's weights."""
+        if self.copy is None:
+            return self.model
+        self.copy.sync()
+        return self.copy.model
 
     @classmethod
     def from_trainer(cls, trainer, generation_config: GenerationConfig):
@@ -86,6 +108,11 @@ class TransformersRollout:
             batch_size=args.generation_batch_size,
             chat_template_kwargs=args.chat_template_kwargs,
             sampling_seed=args.seed,
+            generation_dtype=resolve_generation_dtype(
+                args.generation_dtype,
+                next(trainer.model.parameters()).dtype,
+                on_cuda=next(trainer.model.parameters()).device.type == "cuda",
+            ),
         )
 
     def _encode(self, prompts: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
@@ -124,11 +151,10 @@ class TransformersRollout:
         if seed is not None and self.generation_config.do_sample:
             torch.manual_seed(seed)  # sampling is reproducible per (step, member)
         texts, ids = [], []
+        model = self.generating_model()
         for enc in chunks:
             # `tokenizer` lets users pass `stop_strings` through `generation_kwargs`.
-            out = self.model.generate(
-                **enc, generation_config=self.generation_config, tokenizer=self.tokenizer
-            )
+            out = model.generate(**enc, generation_config=self.generation_config, tokenizer=self.tokenizer)
             gen = self._decode(out, enc["input_ids"].shape[1])
             texts += gen.texts
             ids += gen.token_ids

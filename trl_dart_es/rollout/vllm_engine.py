@@ -16,7 +16,6 @@ import os
 import re
 import tempfile
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 
 from ..precision import resolve_generation_dtype
+from .weight_signal import WeightSignal
+from .weight_signal import is_peft_model as _is_peft_model
 
 __all__ = [
     "WeightSignal",
@@ -72,14 +73,6 @@ def needs_detokenizer(generation_kwargs: dict[str, Any] | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ weights
-def _is_peft_model(model: torch.nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
 def _lora_merged_weights(model) -> list[tuple[str, torch.Tensor]]:
     """Hugging Face-named weights of a LoRA `PeftModel` with its active adapters merged, without touching it.
 
@@ -142,61 +135,6 @@ def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     if _is_peft_model(model):
         return _lora_merged_weights(model)
     return [(name, param.detach()) for name, param in model.named_parameters()]
-
-
-def _signal_entry(param: torch.Tensor) -> tuple:
-    # The tensor object itself (weakly: a new model never matches an old one's address), its storage, shape,
-    # dtype and autograd version counter, which every in-place write bumps (``param.data`` writes excepted).
-    return (weakref.ref(param), param.data_ptr(), tuple(param.shape), param.dtype, param._version)
-
-
-def _same_entry(now: tuple, held: tuple) -> bool:
-    alive = now[0]()
-    return alive is not None and alive is held[0]() and now[1:] == held[1:]
-
-
-@dataclass(frozen=True)
-class WeightSignal:
-    """What the engine's copy of a model depends on, read without touching the values.
-
-    Every in-place write to a parameter (an ES perturb, restore or update, ``load_state_dict``, an optimizer
-    step, ``param.detach().add_()``) bumps its version counter; a new tensor has a new storage or identity. So
-    a change cannot be missed, whatever the values are (a checksum misses changes that keep the sum: a ±1-ulp
-    pair, permuted rows). One exception: writes through ``param.data`` bypass the counter (that is what
-    ``.data`` is for); after such a write call ``rollout.sync_weights(force=True)``.
-
-    LoRA `PeftModel`s are pushed merged, so any change (or a change of the active adapters) pushes everything.
-    """
-
-    entries: dict[str, tuple]
-    merged: bool = False
-    adapters: tuple = ()
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> WeightSignal:
-        entries = {name: _signal_entry(p) for name, p in model.named_parameters()}
-        if not _is_peft_model(model):
-            return cls(entries)
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-        state = (
-            tuple(model.active_adapters),
-            tuple(m.disable_adapters for m in layers),
-            tuple(tuple(m.merged_adapters) for m in layers),
-        )
-        return cls(entries, merged=True, adapters=state)
-
-    def changed_since(self, held: WeightSignal) -> set[str] | None:
-        """Names whose tensors changed since ``held`` was read; None when everything must be pushed."""
-        if (
-            held.merged != self.merged
-            or held.adapters != self.adapters
-            or held.entries.keys() != self.entries.keys()
-        ):
-            return None
-        changed = {n for n, e in self.entries.items() if not _same_entry(e, held.entries[n])}
-        return None if changed and self.merged else changed
 
 
 # ------------------------------------------------------------------------------------------------ threads

@@ -49,10 +49,12 @@ def baseline_cache_parts(trainer: DartESTrainer, dataset: Dataset, model_name: s
 def generation_precision(trainer: DartESTrainer) -> dict[str, str]:
     """The engine's precision when `generation_dtype` sets one ({} otherwise, so that keys made before the
     option existed still match): bf16 generation scores differently from fp32."""
-    engine = getattr(getattr(trainer, "rollout", None), "engine", None)
-    if getattr(trainer.args, "generation_dtype", None) is None or getattr(engine, "dtype", None) is None:
+    rollout = getattr(trainer, "rollout", None)
+    # the vLLM engine's dtype, or the transformers rollouts' (their generation copy's)
+    dtype = getattr(getattr(rollout, "engine", None), "dtype", None) or getattr(rollout, "dtype", None)
+    if getattr(trainer.args, "generation_dtype", None) is None or dtype is None:
         return {}
-    return {"generation_dtype": str(engine.dtype)}
+    return {"generation_dtype": str(dtype)}
 
 
 def baseline_cache_key(trainer: DartESTrainer, dataset: Dataset, model_name: str) -> str:

@@ -268,11 +268,12 @@ class DartESConfig(TrainingArguments):
     generation_dtype: str | None = field(
         default=None,
         metadata={
-            "help": "Improvement: the precision the vLLM engine generates in, apart from the evolved weights' dtype "
-            "(their fp32 master keeps every perturbation and update exact; the engine gets them rounded at each "
-            "push, so rounding never accumulates). None: the model's dtype (the reference). 'auto': bfloat16 for an "
-            "fp32 model where the CPU (avx512_bf16 or AMX) or GPU computes bf16 natively, else the model's dtype. "
-            "'float32', 'bfloat16', 'float16': that dtype. use_vllm=True only (docs/vllm.md 'Generation precision')."
+            "help": "Improvement: the precision generation runs in, apart from the evolved weights' dtype (their "
+            "fp32 master keeps every perturbation and update exact; the vLLM engine, or with use_vllm=False a "
+            "generation copy of the model, gets them rounded after each change, so rounding never accumulates). "
+            "None: the model's dtype (the reference). 'auto': bfloat16 for an fp32 model where the CPU "
+            "(avx512_bf16 or AMX) or GPU computes bf16 natively, else the model's dtype. 'float32', 'bfloat16', "
+            "'float16': that dtype (docs/vllm.md 'Generation precision')."
         },
     )
     vllm_cpu_kvcache_space: int = field(
@@ -403,10 +404,6 @@ class DartESConfig(TrainingArguments):
             if self.generation_dtype not in GENERATION_DTYPES:
                 raise bad(
                     "generation_dtype", f"choose one of {GENERATION_DTYPES}, or None for the model's dtype"
-                )
-            if not self.use_vllm:
-                raise bad(
-                    "generation_dtype", "only the vLLM engine generates in another precision (use_vllm=True)"
                 )
         if self.lowrank_targets not in _LOWRANK_TARGETS:
             raise bad("lowrank_targets", f"choose one of {_LOWRANK_TARGETS}")
