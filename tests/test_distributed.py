@@ -66,9 +66,14 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), f"{name} differs"
 
 
-@pytest.mark.parametrize("population", [4, 5])
-def test_two_processes_end_bitwise_where_one_process_ends(tmp_path, embedded_tokenizer_dir, population):
+@pytest.mark.parametrize("population, group", [(4, None), (5, None), (4, 2)])
+def test_two_processes_end_bitwise_where_one_process_ends(
+    tmp_path, embedded_tokenizer_dir, population, group
+):
+    """Also in the grouped layout (population 4 in groups of 2): each process's members score other blocks."""
     args = ("--population", str(population), "--steps", "3")
+    if group:
+        args += ("--members-per-group", str(group))
     rc, log, _ = _run(embedded_tokenizer_dir, tmp_path / "one", 1, *args)
     assert rc == 0, log[-3000:]
     rc, log, _ = _run(embedded_tokenizer_dir, tmp_path / "two", 2, *args)

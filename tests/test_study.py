@@ -29,6 +29,7 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
             "reward_funcs",
             "eval_every",
             "train_levels",
+            "task_version",
         ):
             if isinstance(getattr(cfg, key), dict) and isinstance(value, str):  # a dict field given as JSON
                 value = json.loads(value)
@@ -41,6 +42,8 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
     assert cfg.seed == 3
     assert style == overrides.get("prompt_style", "steps")
     assert budget == overrides.get("budget_minutes")
+    version = overrides.get("task_version")
+    assert study.task_options(name) == ({} if version is None else {"version": version})
     # A time budget replaces the step count; otherwise the variant's (or the quickstart's) steps stand.
     quickstart_steps = yaml.safe_load(study.CONFIG.read_text())["max_steps"]
     assert cfg.max_steps == (10_000 if budget else overrides.get("max_steps", quickstart_steps))
@@ -188,7 +191,8 @@ def test_the_study_report_rebuilds_from_the_run_files_through_the_harness(tmp_pa
     bench.main(["--curves", "--preset", "--runs-dir", str(runs), "--output-dir", str(tmp_path / "out")])
     md = (tmp_path / "out" / "study.md").read_text()
     assert "| demo | 0, 1 | 2304 | 25.0% | 31.0% | +6.0 |" in md
-    assert "`python -m trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>`" in md
+    command = "`python -m trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>"
+    assert f"{command} --runs-dir {runs} --output-dir {tmp_path / 'out'}`" in md  # the flags that rebuild it
     assert (tmp_path / "out" / "study.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="unknown presets"):
         bench.main(["--curves", "--preset", "no-such-preset", "--runs-dir", str(runs)])
@@ -219,3 +223,9 @@ def test_a_preset_runs_end_to_end_through_the_harness_and_a_rerun_skips(tmp_path
     capsys.readouterr()
     bench.main(argv)
     assert "skip tiny seed 0: finished" in capsys.readouterr().out
+
+
+def test_a_task_version_preset_trains_and_evaluates_on_that_version():
+    train = study.train_split("v2-demo", "embedded:gsm8k", "answer")
+    assert "template" in train.column_names  # version 2's column
+    assert "template" not in study.train_split("demo", "embedded:gsm8k", "answer").column_names

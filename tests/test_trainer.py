@@ -384,3 +384,17 @@ def test_learning_rate_schedule_reaches_the_es_update(tmp_path, tiny_lm, tokeniz
     trainer.train()
     # Linear decay to 0 over max_steps: step k uses α (1 - k / 3).
     assert used == pytest.approx([0.3, 0.2, 0.1])
+
+
+def test_generation_dtype_with_peft_on_transformers_is_a_clear_error(tmp_path, tiny_lm, tokenizer):
+    from peft import LoraConfig
+
+    with pytest.raises(NotImplementedError, match="generation_dtype with a PEFT model"):
+        DartESTrainer(
+            tiny_lm,
+            parity_reward,
+            _config(tmp_path, max_steps=1, generation_dtype="bfloat16"),
+            _dataset(),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
+        )

@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--population", type=int, default=4)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--members-per-group", type=int, default=None, help="the grouped population layout")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-completion-length", type=int, default=6)
     p.add_argument("--ddp-timeout", type=int, default=1800)
@@ -103,6 +104,11 @@ def main() -> None:
         disable_tqdm=True,
         logging_steps=1,
         log_completions=cli.log_completions,
+        **(
+            dict(population_layout="grouped", members_per_group=cli.members_per_group)
+            if cli.members_per_group
+            else {}
+        ),
         **(
             dict(
                 use_vllm=True,

@@ -261,9 +261,9 @@ def report(args: argparse.Namespace) -> None:
         "",
         f"Held-out: greedy accuracy on {args.eval_prompts} test prompts (one prompt = "
         f"{100 / args.eval_prompts:.2f} points). Command (a row: its variant and seeds): `python -m"
-        " trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>` (finished runs are skipped; `--curves"
-        " --preset` alone rebuilds this page); runs in `results/study_runs/`. Machines (each run's file names its"
-        f" own): {_machines(runs)};"
+        f" trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>{_flags(args)}` (finished runs are"
+        f" skipped; without `<variant> --seeds <seeds>` it rebuilds this page); runs in `{args.runs_dir}/`. Machines"
+        f" (each run's file names its own): {_machines(runs)};"
         f" last run {max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured on machines"
         " of different speed, some while other jobs shared the 2 cores, so compare them only roughly.",
         "",
@@ -299,6 +299,7 @@ def report(args: argparse.Namespace) -> None:
                     f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
                     f"| {100 * p[f'{key}mean']:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
                 )
+    lines += _steps_table(runs) + _transfer_table(runs)
     lines += [
         "",
         "Variants (overrides of recipes/configs/quickstart_fullrank.yaml, from benchmarks/study_presets.yaml):",
@@ -313,6 +314,81 @@ def report(args: argparse.Namespace) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(runs, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
+
+
+def _flags(args: argparse.Namespace) -> str:
+    """The command-line flags that make this study differ from the default one."""
+    flags = ""
+    if args.eval_prompts != DEFAULT_EVAL_PROMPTS:
+        flags += f" --eval-prompts {args.eval_prompts}"
+    if Path(args.runs_dir) != DEFAULT_RUNS_DIR:
+        flags += f" --runs-dir {args.runs_dir}"
+    if Path(args.output_dir) != Path("results"):
+        flags += f" --output-dir {args.output_dir}"
+    return flags
+
+
+def _by_variant(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in presets():
+        mine = [r for r in runs if r["variant"] == name]
+        if mine:
+            out[name] = mine
+    return out
+
+
+def _steps_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Mean held-out accuracy at every evaluated step, for variants evaluated more than once after step 0."""
+    rows = []
+    for name, mine in _by_variant(runs).items():
+        steps = sorted({p["step"] for r in mine for p in r["points"]})
+        if len(steps) < 3:
+            continue
+        cells = []
+        for step in steps:
+            accs = [p["accuracy"] for r in mine for p in r["points"] if p["step"] == step]
+            cells.append(
+                f"{step}: {100 * statistics.fmean(accs):.1f}%" + ("" if len(accs) == len(mine) else "*")
+            )
+        rows.append(f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {'; '.join(cells)} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "Held-out accuracy at each evaluated step (mean over the seeds):",
+        "",
+        "| variant | seeds | step: accuracy |",
+        "| --- | --- | --- |",
+        *rows,
+    ]
+
+
+_TRANSFER = ("template_held_out", "template_seen", "wording_held_out", "wording_seen")
+
+
+def _transfer_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Before -> after (mean over seeds) on held-out and seen templates and wordings, where the task has them."""
+    rows = []
+    for name, mine in _by_variant(runs).items():
+        if not all(k in r["points"][0].get("groups", {}) for r in mine for k in _TRANSFER):
+            continue
+        cells = []
+        for key in _TRANSFER:
+            before = statistics.fmean(r["points"][0]["groups"][key] for r in mine)
+            after = statistics.fmean(r["points"][-1]["groups"][key] for r in mine)
+            cells.append(f"{100 * before:.1f}% → {100 * after:.1f}% ({100 * (after - before):+.1f})")
+        rows.append(f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {' | '.join(cells)} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "Transfer: accuracy before → after training (mean over the seeds) on rows that use a template, or names"
+        " and objects, held out of the train split, and on rows that do not:",
+        "",
+        "| variant | seeds | templates held out | templates seen | wordings held out | wordings seen |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
 
 
 def _paired(runs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
