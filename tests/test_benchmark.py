@@ -394,7 +394,7 @@ def test_the_curves_dart_es_is_the_demo_config_as_it_is():
     dart_name, es_name = bench.CURVE_METHODS[:2]
     assert bench.METHODS[dart_name].configs[0] == "quickstart.yaml"
     for key, value in bench.METHODS[dart_name].overrides.items():
-        assert demo[key] == value, key
+        assert demo.get(key) == value, key  # None: a field the demo leaves at its default
     for key, value in bench.METHODS[es_name].overrides.items():
-        assert es[key] == value, key
+        assert es.get(key) == value, key
     assert {"grpo", "grpo-lora"} <= set(bench.CURVE_METHODS)

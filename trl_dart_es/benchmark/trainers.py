@@ -99,6 +99,9 @@ def es_trainer(
         **(overrides or {}),
     }
     script_args, args, model_args = parse_recipe_config(DartESConfig, config, values)
+    for key, value in method.overrides.items():  # a row's None pins the field's default over the YAML's value
+        if value is None and (overrides or {}).get(key) is None:
+            setattr(args, key, None)
     args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(args.model_init_kwargs or {})}
     train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
     trainer = DartESTrainer(
