@@ -99,8 +99,9 @@ class PopulationLayout:
         return mask
 
     def rollouts(self, population_size: int, batch_size: int) -> int:
-        """Completions generated per step."""
-        return int(self.mask(population_size, batch_size).sum())
+        """Completions generated per step: N x B, or M x B in the grouped layout (each problem by M members)."""
+        self.check(population_size, batch_size)
+        return (int(self.members_per_group) if self.grouped else population_size) * batch_size
 
 
 def centre_fitness(fitness, groups: np.ndarray | None = None) -> np.ndarray:

@@ -32,15 +32,10 @@ class GenerationCopy:
         self.dtype = dtype
         self.model = copy.deepcopy(source).to(dtype).eval()
         self.model.requires_grad_(False)
-        self._pairs = [
-            (name, p, dict(self.model.named_parameters())[name]) for name, p in source.named_parameters()
-        ]
+        copied = dict(self.model.named_parameters())
+        self._pairs = [(name, p, copied[name]) for name, p in source.named_parameters()]
         self._held: WeightSignal | None = WeightSignal.of(source)
         self.syncs = 0
-
-    @property
-    def config(self):
-        return self.model.config
 
     def sync(self, force: bool = False) -> bool:
         """Copy the parameters that changed since the last sync (all of them with `force`); whether any did."""
