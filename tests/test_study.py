@@ -229,3 +229,25 @@ def test_a_task_version_preset_trains_and_evaluates_on_that_version():
     train = study.train_split("v2-demo", "embedded:gsm8k", "answer")
     assert "template" in train.column_names  # version 2's column
     assert "template" not in study.train_split("demo", "embedded:gsm8k", "answer").column_names
+
+
+def test_the_transfer_table_gives_each_gain_with_its_interval_and_smallest_seed(tmp_path):
+    """Held-out templates and wordings: before -> after over the seeds, the gain's t-interval and its minimum."""
+    from trl_dart_es.benchmark.stats import paired_t_interval
+
+    keys = ("template_held_out", "template_seen", "wording_held_out", "wording_seen")
+    runs = []
+    for seed, (start, end) in enumerate(((0.10, 0.14), (0.12, 0.13), (0.11, 0.17))):
+        groups0 = {k: start for k in keys}
+        groups1 = {k: end if k == "template_held_out" else start for k in keys}
+        runs.append({"variant": "v2-demo", "seed": seed, "points": [
+            {"step": 0, "accuracy": 0.2, "groups": groups0}, {"step": 18, "accuracy": 0.2, "groups": groups1}]})  # fmt: skip
+    lines = study._transfer_table(runs)
+    row = next(line for line in lines if line.startswith("| v2-demo |"))
+    gains = [0.04, 0.01, 0.06]
+    _, lo, hi = paired_t_interval(gains)
+    held_out = row.split(" | ")[2]
+    assert held_out == f"11.0% → 14.7% (+3.7 [{100 * lo:+.1f}, {100 * hi:+.1f}], min +1.0)"
+    assert row.split(" | ")[3] == "11.0% → 11.0% (+0.0 [+0.0, +0.0], min +0.0)"
+    one_seed = study._transfer_table(runs[:1])
+    assert "11.0%" not in one_seed[-1] and one_seed[-1].split(" | ")[2] == "10.0% → 14.0% (+4.0)"

@@ -367,7 +367,9 @@ _TRANSFER = ("template_held_out", "template_seen", "wording_held_out", "wording_
 
 
 def _transfer_table(runs: list[dict[str, Any]]) -> list[str]:
-    """Before -> after (mean over seeds) on held-out and seen templates and wordings, where the task has them."""
+    """Before -> after (mean over seeds) on held-out and seen templates and wordings, where the task has them, with
+    the gain's 95% t-interval over the seeds and its smallest seed (issue 45's target: >= +2 on average, never
+    below zero)."""
     rows = []
     for name, mine in _by_variant(runs).items():
         if not all(k in r["points"][0].get("groups", {}) for r in mine for k in _TRANSFER):
@@ -376,14 +378,20 @@ def _transfer_table(runs: list[dict[str, Any]]) -> list[str]:
         for key in _TRANSFER:
             before = statistics.fmean(r["points"][0]["groups"][key] for r in mine)
             after = statistics.fmean(r["points"][-1]["groups"][key] for r in mine)
-            cells.append(f"{100 * before:.1f}% → {100 * after:.1f}% ({100 * (after - before):+.1f})")
+            gains = [r["points"][-1]["groups"][key] - r["points"][0]["groups"][key] for r in mine]
+            cell = f"{100 * before:.1f}% → {100 * after:.1f}% ({100 * (after - before):+.1f}"
+            if len(gains) > 1:
+                _, lo, hi = paired_t_interval(gains)
+                cell += f" [{100 * lo:+.1f}, {100 * hi:+.1f}], min {100 * min(gains):+.1f}"
+            cells.append(cell + ")")
         rows.append(f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {' | '.join(cells)} |")
     if not rows:
         return []
     return [
         "",
         "Transfer: accuracy before → after training (mean over the seeds) on rows that use a template, or names"
-        " and objects, held out of the train split, and on rows that do not:",
+        " and objects, held out of the train split, and on rows that do not; in brackets the gain's 95% t-interval"
+        " over the seeds, then the smallest seed's gain:",
         "",
         "| variant | seeds | templates held out | templates seen | wordings held out | wordings seen |",
         "| --- | --- | --- | --- | --- | --- |",
