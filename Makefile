@@ -33,9 +33,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # DEMO_ARGS adds recipe flags, e.g. DEMO_ARGS="--max_steps 48 --output_dir outputs/quickstart_long" (the study's
-# demo-long variant: longer than the 15-minute demo, see docs/trainer.md).
+# demo-long variant: longer than the 15-minute demo, see docs/trainer.md). DEMO_CONFIG picks another recipe
+# config, e.g. DEMO_CONFIG=recipes/configs/quickstart_transfer.yaml (the run that transfers, docs/results.md).
+DEMO_CONFIG ?= recipes/configs/quickstart.yaml
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml $(DEMO_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config $(DEMO_CONFIG) $(DEMO_ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" --durations=15

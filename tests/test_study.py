@@ -99,6 +99,33 @@ def test_the_demo_config_is_the_study_variant_it_names():
     assert differ == {"budget_minutes", "vllm_lora_kernel", "max_steps"}
 
 
+def test_the_transfer_config_is_the_study_variant_it_names():
+    """quickstart_transfer.yaml is the demo with v2-n16b8-lr2's overrides (and 512 held-out prompts, as the study
+    measured it), so the study's five seeds are its measurements; its settings reach the recipe's parser."""
+    from trl import ModelConfig, TrlParser
+
+    from trl_dart_es import DartESConfig
+    from trl_dart_es.tasks.arguments import TaskArguments
+
+    configs = ROOT / "recipes" / "configs"
+    transfer = yaml.safe_load((configs / "quickstart_transfer.yaml").read_text())
+    demo = yaml.safe_load((configs / "quickstart.yaml").read_text())
+    # eval_every is the study's clock, not a config field.
+    variant = {k: v for k, v in study.presets()["v2-n16b8-lr2"].items() if k != "eval_every"}
+    assert {k: transfer.get(k) for k in variant} == variant
+    assert transfer["eval_num_examples"] == 512
+    where = {"output_dir", "project", "eval_num_examples"}
+    assert {k: v for k, v in transfer.items() if k not in {*variant, *where}} == {
+        k: v for k, v in demo.items() if k not in {*variant, *where}
+    }
+    task, args, _ = TrlParser((TaskArguments, DartESConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(configs / "quickstart_transfer.yaml"), "--output_dir", "unused"]
+    )
+    assert task.task_version == 2 and args.generation_dtype == "bfloat16"
+    assert (args.population_size, args.per_device_train_batch_size, args.learning_rate) == (16, 8, 0.002)
+    assert ("v2-n16b8-lr2", "v2-demo") in study.pairs()
+
+
 def test_the_demo_es_twin_differs_only_in_the_two_dart_switches():
     """`demo-es` is es_quickstart.yaml as the study runs it: DART-ES's two switches off, nothing else changed."""
     demo, twin = study.presets()["demo"], study.presets()["demo-es"]
