@@ -258,7 +258,7 @@ def test_a_task_version_preset_trains_and_evaluates_on_that_version():
     assert "template" not in study.train_split("demo", "embedded:gsm8k", "answer").column_names
 
 
-def test_the_transfer_table_gives_each_gain_with_its_interval_and_smallest_seed(tmp_path):
+def test_the_transfer_table_gives_each_gain_with_its_interval_and_smallest_seed():
     """Held-out templates and wordings: before -> after over the seeds, the gain's t-interval and its minimum."""
     from trl_dart_es.benchmark.stats import paired_t_interval
 
