@@ -32,9 +32,9 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-# DEMO_ARGS adds recipe flags, e.g. DEMO_ARGS="--max_steps 48 --output_dir outputs/quickstart_long" (the study's
-# demo-long variant: longer than the 15-minute demo, see docs/trainer.md). DEMO_CONFIG picks another recipe
-# config, e.g. DEMO_CONFIG=recipes/configs/quickstart_transfer.yaml (the run that transfers, docs/results.md).
+# DEMO_ARGS adds recipe flags, e.g. DEMO_ARGS="--seed 1 --output_dir outputs/quickstart_seed1". DEMO_CONFIG picks
+# another recipe config, e.g. DEMO_CONFIG=recipes/configs/quickstart_v1.yaml (the demo on task version 1, before
+# the learning study's wider task: docs/results.md).
 DEMO_CONFIG ?= recipes/configs/quickstart.yaml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) recipes/dart_es_gsm8k.py --config $(DEMO_CONFIG) $(DEMO_ARGS)

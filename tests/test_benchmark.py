@@ -61,7 +61,8 @@ def test_method_registry():
     assert bench.METHODS["dart-es-noise-cache"].overrides["noise_cache"] == "on"
     # Plain ES is the DART-ES row with the two switches off, nothing else, on either backend pair.
     switches = {"use_difficulty_reweighting", "use_targeted_replay"}
-    for dart_name, es_name in (("dart-es", "es"), ("dart-es-vllm-lowrank", "es-vllm-lowrank")):
+    pairs = (("dart-es", "es"), ("dart-es-vllm-lowrank", "es-vllm-lowrank"), ("dart-es-demo", "es-demo"))
+    for dart_name, es_name in pairs:
         dart, es = bench.METHODS[dart_name], bench.METHODS[es_name]
         assert dart.configs == es.configs and dart.kind == es.kind == "es"
         assert set(dart.overrides) == set(es.overrides) and switches <= set(dart.overrides)
@@ -69,10 +70,12 @@ def test_method_registry():
         assert {k: v for k, v in dart.overrides.items() if k not in switches} == {
             k: v for k, v in es.overrides.items() if k not in switches
         }
-    # Every ES row pins its backend, whatever the demo config (quickstart.yaml) generates with.
+    # Every ES row pins its backend, whatever the demo config (quickstart.yaml) generates with, and but for the
+    # demo's own rows its generation precision.
     for m in bench.METHODS.values():
         if m.kind in ("es", "inference"):
             assert {"perturbation", "use_vllm"} <= set(m.overrides), m.name
+            assert ("generation_dtype" in m.overrides) != m.name.endswith("-demo"), m.name
     assert all(m.kind in bench.RUNNERS for m in bench.METHODS.values())
 
 
@@ -245,6 +248,33 @@ def test_workload_options_override_the_short_default():
     assert workload.max_completion_length == es["max_completion_length"]  # from the ES recipe config
     full = bench.workload_from_args(bench._parser().parse_args(["--full"]))
     assert full.steps > bench.SHORT.steps and full.eval_prompts > bench.SHORT.eval_prompts
+
+
+def test_every_method_gets_the_demo_configs_task_version(tmp_path):
+    """The DART-ES config's `task_version` reaches the workload, so GRPO trains and every method is scored on the
+    demo's task; rows of another version do not sit in one table."""
+    from trl_dart_es.tasks import load_task_dataset
+
+    demo = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    curves_args = bench._parser().parse_args(["--curves"])
+    assert bench.workload_from_args(curves_args).task_version == demo.get("task_version")
+    for version in (1, 2):
+        (tmp_path / "quickstart.yaml").write_text(yaml.safe_dump({**demo, "task_version": version}))
+        workload = bench.Workload(config_dir=str(tmp_path), eval_prompts=16).resolved()
+        assert workload.task_version == version and workload.data_options()["version"] == version
+        assert workload.comparable()["task_version"] == version
+        expected = load_task_dataset(
+            "embedded:gsm8k", "test", prompt_style="answer", num_examples=16, version=version
+        )
+        assert bench.held_out_set(workload)["prompt"] == expected["prompt"]
+    other = load_task_dataset("embedded:gsm8k", "test", prompt_style="answer", num_examples=16, version=1)
+    assert bench.held_out_set(workload)["prompt"] != other["prompt"]  # the version changes the prompts
+    (tmp_path / "quickstart.yaml").write_text(
+        yaml.safe_dump({k: v for k, v in demo.items() if k != "task_version"})
+    )
+    unset = bench.Workload(config_dir=str(tmp_path)).resolved()
+    assert unset.task_version is None and "version" not in unset.data_options()
+    assert "task_version" not in unset.comparable()  # rows measured before the field existed still merge
 
 
 # ------------------------------------------------------------------------- shared evaluation on a tiny model

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from datasets import Dataset, DatasetDict
 
 from trl_dart_es import benchmark as bench
@@ -128,6 +129,12 @@ def test_settings_name_the_config_and_what_was_overridden():
     assert a["config_sha256"] and a["workload"]["eval_prompts"] == 512 and a["workload"]["population"]
     b = curves.curve_settings("dart-es", curves.CURVES, 900, [150, 300], {"sigma": 0.01}, tag="s")
     assert b["overrides"] == {"sigma": 0.01} and b["tag"] == "s" and a != b
+    demo = yaml.safe_load((ROOT / "recipes" / "configs" / "quickstart.yaml").read_text())
+    assert a["workload"]["task_version"] == demo["task_version"]  # the demo's task, for every method
+    v1 = curves.curve_settings("dart-es", replace(curves.CURVES, task_version=1), 900, [150])
+    assert v1["workload"]["task_version"] == 1 and v1 != curves.curve_settings(
+        "dart-es", curves.CURVES, 900, [150]
+    )
     assert curves.curve_run_path("d", "es", 2).name == "es-seed2.json"
     assert curves.curve_run_path("d", "es", 2, "s").name == "es-seed2-s.json"
 

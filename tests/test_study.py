@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from trl_dart_es.benchmark import study
@@ -82,9 +83,10 @@ def test_train_clock_evaluates_the_last_step_and_stops_at_the_budget():
     assert control.should_training_stop and control.should_evaluate
 
 
-def test_the_demo_config_is_the_study_variant_it_names():
-    """quickstart.yaml runs the study's `demo` variant: N4xB32 for a fixed step count, default LoRA kernel."""
-    demo = yaml.safe_load((ROOT / "recipes" / "configs" / "quickstart.yaml").read_text())
+def test_the_v1_demo_config_is_the_study_variant_it_names():
+    """quickstart_v1.yaml (the demo before the wider task) runs the study's `demo` variant: N4xB32 for a fixed
+    step count, default LoRA kernel."""
+    demo = yaml.safe_load((ROOT / "recipes" / "configs" / "quickstart_v1.yaml").read_text())
     variant = study.presets()["demo"]
     assert {k: demo.get(k) for k in variant} == variant
     base = yaml.safe_load(study.CONFIG.read_text())  # what the variant does not override is the study's base
@@ -99,42 +101,60 @@ def test_the_demo_config_is_the_study_variant_it_names():
     assert differ == {"budget_minutes", "vllm_lora_kernel", "max_steps"}
 
 
-def test_the_transfer_config_is_the_study_variant_it_names():
-    """quickstart_transfer.yaml is the demo with v2-n16b8-lr2's overrides (and 512 held-out prompts, as the study
-    measured it), so the study's five seeds are its measurements; its settings reach the recipe's parser."""
+def _as_measured(config: dict) -> dict:
+    """A recipe config with `generation_dtype: auto` as the study ran it: bf16 (its machines compute bf16)."""
+    return {**config, "generation_dtype": "bfloat16"} if config.get("generation_dtype") == "auto" else config
+
+
+def test_the_demo_config_is_the_study_variant_it_names():
+    """quickstart.yaml (the demo) is the v1 demo with v2-n16b8-lr2's overrides, `auto` generation precision (bf16
+    where the study measured it) and the first 256 of the study's 512 held-out prompts, so the study's five seeds
+    are its measurements; its settings reach the recipe's parser."""
     from trl import ModelConfig, TrlParser
 
     from trl_dart_es import DartESConfig
+    from trl_dart_es.precision import resolve_generation_dtype
     from trl_dart_es.tasks.arguments import TaskArguments
 
     configs = ROOT / "recipes" / "configs"
-    transfer = yaml.safe_load((configs / "quickstart_transfer.yaml").read_text())
     demo = yaml.safe_load((configs / "quickstart.yaml").read_text())
+    v1 = yaml.safe_load((configs / "quickstart_v1.yaml").read_text())
     # eval_every is the study's clock, not a config field.
     variant = {k: v for k, v in study.presets()["v2-n16b8-lr2"].items() if k != "eval_every"}
-    assert {k: transfer.get(k) for k in variant} == variant
-    assert transfer["eval_num_examples"] == 512
+    assert demo["generation_dtype"] == "auto"
+    assert {k: _as_measured(demo).get(k) for k in variant} == variant
+    assert demo["eval_num_examples"] == 256
     where = {"output_dir", "project", "eval_num_examples"}
-    assert {k: v for k, v in transfer.items() if k not in {*variant, *where}} == {
-        k: v for k, v in demo.items() if k not in {*variant, *where}
+    assert {k: v for k, v in demo.items() if k not in {*variant, *where}} == {
+        k: v for k, v in v1.items() if k not in {*variant, *where}
     }
     task, args, _ = TrlParser((TaskArguments, DartESConfig, ModelConfig)).parse_args_and_config(
-        ["--config", str(configs / "quickstart_transfer.yaml"), "--output_dir", "unused"]
+        ["--config", str(configs / "quickstart.yaml"), "--output_dir", "unused"]
     )
-    assert task.task_version == 2 and args.generation_dtype == "bfloat16"
+    assert task.task_version == 2 and task.eval_num_examples == 256
     assert (args.population_size, args.per_device_train_batch_size, args.learning_rate) == (16, 8, 0.002)
+    # `auto` is the study's bf16 on a CPU with bf16 units, and fp32 on one without.
+    for flags, dtype in (("avx512f amx_bf16", torch.bfloat16), ("avx2", torch.float32)):
+        cpuinfo = f"flags\t: fpu {flags}\n"
+        assert (
+            resolve_generation_dtype(args.generation_dtype, torch.float32, on_cuda=False, cpuinfo=cpuinfo)
+            == dtype
+        )
     assert ("v2-n16b8-lr2", "v2-demo") in study.pairs()
 
 
-def test_the_demo_es_twin_differs_only_in_the_two_dart_switches():
-    """`demo-es` is es_quickstart.yaml as the study runs it: DART-ES's two switches off, nothing else changed."""
-    demo, twin = study.presets()["demo"], study.presets()["demo-es"]
-    differ = {k for k in {*demo, *twin} if demo.get(k) != twin.get(k)}
-    assert differ == {"use_difficulty_reweighting", "use_targeted_replay"}
-    assert not twin["use_difficulty_reweighting"] and not twin["use_targeted_replay"]
-    es = yaml.safe_load((ROOT / "recipes" / "configs" / "es_quickstart.yaml").read_text())
+def test_the_plain_es_twins_differ_only_in_the_two_dart_switches():
+    """`demo-es` and `v2-n16b8-lr2-es` are their presets with DART-ES's two switches off, nothing else changed;
+    es_quickstart.yaml is the demo's twin as the study runs it."""
+    for dart, twin in (("demo", "demo-es"), ("v2-n16b8-lr2", "v2-n16b8-lr2-es")):
+        on, off = study.presets()[dart], study.presets()[twin]
+        differ = {k for k in {*on, *off} if on.get(k) != off.get(k)}
+        assert differ == {"use_difficulty_reweighting", "use_targeted_replay"}, twin
+        assert not off["use_difficulty_reweighting"] and not off["use_targeted_replay"]
+        assert (dart, twin) in study.pairs()
+    es = _as_measured(yaml.safe_load((ROOT / "recipes" / "configs" / "es_quickstart.yaml").read_text()))
+    twin = {k: v for k, v in study.presets()["v2-n16b8-lr2-es"].items() if k != "eval_every"}
     assert {k: es.get(k) for k in twin} == twin
-    assert ("demo", "demo-es") in study.pairs()
 
 
 def test_pairs_compare_final_accuracy_and_gain_by_seed():

@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                              "the budget's end); default: %(default)s")  # fmt: skip
     curves.add_argument("--set", action="append", metavar="[METHOD:]KEY=VALUE",
                         help="override a recipe-config field (a YAML scalar) for every method, or for METHOD only; "
-                             "repeatable. population, prompts, max_completion_length and prompt_style change the "
-                             "workload instead")  # fmt: skip
+                             "repeatable. population, prompts, max_completion_length, prompt_style and task_version "
+                             "change the workload instead")  # fmt: skip
     curves.add_argument(
         "--tag", help="names these runs: <method>-seed<k>-<tag>.json and curves-<tag>.{json,md,png}"
     )

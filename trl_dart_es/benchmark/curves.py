@@ -69,7 +69,7 @@ _POINT_METRICS = ("reward", "completions/mean_length", "completions/clipped_rati
 # Override keys that change the workload (of every method when not prefixed), not one recipe config.
 _WORKLOAD_KEYS = {
     "population": "population", "population_size": "population", "prompts": "prompts",
-    "max_completion_length": "max_completion_length", "prompt_style": "prompt_style",
+    "max_completion_length": "max_completion_length", "prompt_style": "prompt_style", "task_version": "task_version",
     "model_name_or_path": "model", "dataset_name": "dataset", "dtype": "dtype",
 }  # fmt: skip
 _TAG = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -224,6 +224,8 @@ def curve_settings(
         digest = config_digest(config)
         path = Path(config).resolve()
         config = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+    if workload.task_version is not None:  # only when set: runs measured before the field existed stay fresh
+        keys += ("task_version",)
     return {
         "workload": {k: getattr(workload, k) for k in keys},
         "budget_s": float(budget_s),
@@ -570,6 +572,7 @@ def render_curves_markdown(runs: Sequence[Mapping[str, Any]], summary: Mapping[s
         "skipped on rerun; `--report-only` rebuilds this page).",
         f"- Workload: `{w['model']}` ({w['dtype']}) on `{w['dataset']}`"
         + (f", prompt style `{w['prompt_style']}`" if w.get("prompt_style") else "")
+        + (f", task version {w['task_version']}" if w.get("task_version") is not None else "")
         + f"; {rollouts} rollouts per step, up to {w['max_completion_length']} completion tokens; each method's "
         "other hyperparameters from its recipe config.",
         f"- Budget: {_when(s['budget_s'])} of training per run, counted as the sum of step durations (evaluation "
@@ -662,7 +665,8 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     palette = {"dart-es": "#4c72b0", "es": "#55a868", "grpo": "#c44e52", "grpo-lora": "#dd8452",
-               "dart-es-vllm-lowrank": "#4c72b0", "es-vllm-lowrank": "#55a868"}  # fmt: skip
+               "dart-es-vllm-lowrank": "#4c72b0", "es-vllm-lowrank": "#55a868", "dart-es-demo": "#4c72b0",
+               "es-demo": "#55a868"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
         mine = [r for r in runs if r["method"] == method]

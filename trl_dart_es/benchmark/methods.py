@@ -40,14 +40,16 @@ class BenchMethod:
 _ES_CONFIGS = ("quickstart.yaml", "es_quickstart.yaml")
 _DART_ON = {"use_difficulty_reweighting": True, "use_targeted_replay": True}
 _DART_OFF = {"use_difficulty_reweighting": False, "use_targeted_replay": False}
-# Each ES row pins its backend and its generation precision (the model's own; the -bf16 rows bf16), so that it
-# measures what its name says whatever the demo config uses; the rest (antithetic pairs, rank, sigma, learning
+# Each ES row pins its backend and (but for the -demo rows) its generation precision (the model's own; the -bf16
+# rows bf16), so that it measures what its name says whatever the demo config uses; the rest (antithetic pairs, rank, sigma, learning
 # rate, ...) is the demo's (quickstart.yaml).
 _FP32 = {"generation_dtype": None}
 _FULL = {"perturbation": "full", "use_vllm": False, **_FP32}
 _LOWRANK = {"perturbation": "lowrank", "use_vllm": False, **_FP32}
 _VLLM_FULL = {"perturbation": "full", "use_vllm": True, "vllm_cpu_kvcache_space": 1, **_FP32}
 _VLLM_LOWRANK = {"perturbation": "lowrank", "use_vllm": True, "vllm_cpu_kvcache_space": 1, **_FP32}
+# The demo's backend with the demo's own generation precision (the one set of rows that does not pin it).
+_VLLM_DEMO = {"perturbation": "lowrank", "use_vllm": True, "vllm_cpu_kvcache_space": 1}
 
 METHODS: dict[str, BenchMethod] = {
     m.name: m
@@ -88,13 +90,33 @@ METHODS: dict[str, BenchMethod] = {
             {**_DART_ON, **_VLLM_LOWRANK},
             requires=("vllm",),
         ),
-        # The demo's plain-ES twin (the demo itself is dart-es-vllm-lowrank): the learning curves' ES.
+        # Plain ES on the same backend, fp32 generation.
         BenchMethod(
             "es-vllm-lowrank",
             "es",
             "plain ES (no reweighting, no replay), low-rank noise, vLLM LoRA adapters",
             _ES_CONFIGS,
             {**_DART_OFF, **_VLLM_LOWRANK},
+            default=False,
+            requires=("vllm",),
+        ),
+        # The demo as quickstart.yaml runs it (its generation precision included: `generation_dtype: auto`), and
+        # its plain-ES twin: the learning curves' DART-ES and ES.
+        BenchMethod(
+            "dart-es-demo",
+            "es",
+            "DART-ES as the demo runs it: low rank on vLLM, the demo's generation precision (bf16 where native)",
+            _ES_CONFIGS,
+            {**_DART_ON, **_VLLM_DEMO},
+            default=False,
+            requires=("vllm",),
+        ),
+        BenchMethod(
+            "es-demo",
+            "es",
+            "plain ES (no reweighting, no replay) as the demo runs DART-ES",
+            _ES_CONFIGS,
+            {**_DART_OFF, **_VLLM_DEMO},
             default=False,
             requires=("vllm",),
         ),
@@ -199,9 +221,9 @@ DEFAULT_METHODS: tuple[str, ...] = tuple(
 )
 
 
-# `--curves` compares these by default: DART-ES as the demo runs it (quickstart.yaml: low rank on vLLM), its
-# plain-ES twin, and the two GRPO baselines.
-CURVE_METHODS: tuple[str, ...] = ("dart-es-vllm-lowrank", "es-vllm-lowrank", "grpo", "grpo-lora")
+# `--curves` compares these by default: DART-ES as the demo runs it (quickstart.yaml: low rank on vLLM, bf16
+# generation where native), its plain-ES twin, and the two GRPO baselines.
+CURVE_METHODS: tuple[str, ...] = ("dart-es-demo", "es-demo", "grpo", "grpo-lora")
 
 
 def _missing_requirements(method: BenchMethod) -> list[str]:

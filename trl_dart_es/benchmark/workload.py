@@ -41,6 +41,9 @@ class Workload:
     # The task's prompt style (trl_dart_es.tasks.gsm8k.PROMPT_STYLES) for train and held-out prompts alike;
     # None: the DART-ES config's `prompt_style` if it has one, else the task's default.
     prompt_style: str | None = None
+    # The offline task's generator version (`task_version` of the recipes); None: the DART-ES config's if it sets
+    # one, else the task's default.
+    task_version: int | None = None
 
     @property
     def rollouts_per_step(self) -> int:
@@ -60,6 +63,7 @@ class Workload:
             "population": int(config.get("population_size", 8)),
             "prompts": int(config.get("per_device_train_batch_size", 8)),
             "prompt_style": config.get("prompt_style"),
+            "task_version": config.get("task_version"),
         }
         return replace(self, **{k: v for k, v in fill.items() if getattr(self, k) is None})
 
@@ -68,13 +72,20 @@ class Workload:
         keys = ("model", "dataset", "population", "prompts", "max_completion_length", "steps", "warmup_steps",
                 "eval_prompts", "seed", "dtype")  # fmt: skip
         out = {k: getattr(self, k) for k in keys}
-        if self.prompt_style is not None:  # only when set: rows measured before the field existed still merge
-            out["prompt_style"] = self.prompt_style
+        # Only when set: rows measured before these fields existed still merge.
+        for key in ("prompt_style", "task_version"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     def data_options(self) -> dict[str, Any]:
         """Keyword arguments of `load_split` for this workload's train and held-out prompts."""
-        return {} if self.prompt_style is None else {"prompt_style": self.prompt_style}
+        options: dict[str, Any] = {}
+        if self.prompt_style is not None:
+            options["prompt_style"] = self.prompt_style
+        if self.task_version is not None:
+            options["version"] = self.task_version
+        return options
 
 
 # Short: 8 x 8 = 64 rollouts per step, 3 steps: the four default methods finish in about 20 minutes on a
