@@ -174,6 +174,12 @@ def test_pairs_compare_final_accuracy_and_gain_by_seed():
     assert pair["differences"] == pytest.approx([0.15, 0.12])
     assert pair["gain_differences"] == pytest.approx([0.05, 0.02])
     assert pair["gain_mean"] == pytest.approx(0.035) and pair["gain_ci95"][0] < 0.035 < pair["gain_ci95"][1]
+    assert pair["seeds_on_two_cpus"] == []
+    # One seed's twin ran on another CPU model (bf16 rounds differently there): the pair names it.
+    for r in runs:
+        r["machine"] = "AMD EPYC, 2 cores" if (r["variant"], r["seed"]) == ("b", 1) else "Intel Xeon, 2 cores"
+    (pair,) = study._paired(runs, [("a", "b")])
+    assert pair["seeds_on_two_cpus"] == [1]
 
 
 def test_a_variant_may_set_its_own_eval_interval(tmp_path):

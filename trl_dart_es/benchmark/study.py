@@ -294,6 +294,8 @@ def report(args: argparse.Namespace) -> None:
             for measure, key in (("final accuracy", ""), ("gain", "gain_")):
                 lo, hi = p[f"{key}ci95"]
                 verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
+                if p.get("seeds_on_two_cpus"):
+                    verdict += f"; seeds {', '.join(map(str, p['seeds_on_two_cpus']))} ran on two CPU models"
                 lines.append(
                     f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} | {measure} "
                     f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
@@ -405,6 +407,9 @@ def _paired(runs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[di
     variants with different prompts do)."""
     final = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] for r in runs}
     gain = {(r["variant"], r["seed"]): r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs}
+    # bf16 rounds differently on different CPUs (AMX or avx512_bf16), so one seed's two runs are a clean pair only
+    # on one CPU model: the seeds whose runs came from two are named.
+    cpu = {(r["variant"], r["seed"]): r.get("machine", "").split(",")[0] for r in runs}
     out = []
     for first, second in pairs:
         seeds = sorted(s for (v, s) in final if v == first and (second, s) in final)
@@ -414,9 +419,10 @@ def _paired(runs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[di
         gain_diffs = [gain[first, s] - gain[second, s] for s in seeds]
         mean, lo, hi = paired_t_interval(diffs)
         gain_mean, gain_lo, gain_hi = paired_t_interval(gain_diffs)
+        mixed = [s for s in seeds if cpu[first, s] != cpu[second, s]]
         out.append({"first": first, "second": second, "seeds": seeds, "differences": diffs, "mean": mean,
                     "ci95": [lo, hi], "gain_differences": gain_diffs, "gain_mean": gain_mean,
-                    "gain_ci95": [gain_lo, gain_hi]})  # fmt: skip
+                    "gain_ci95": [gain_lo, gain_hi], "seeds_on_two_cpus": mixed})  # fmt: skip
     return out
 
 
