@@ -41,15 +41,15 @@ _ES_CONFIGS = ("quickstart.yaml", "es_quickstart.yaml")
 _DART_ON = {"use_difficulty_reweighting": True, "use_targeted_replay": True}
 _DART_OFF = {"use_difficulty_reweighting": False, "use_targeted_replay": False}
 # Each ES row pins its backend and (but for the -demo rows) its generation precision (the model's own; the -bf16
-# rows bf16), so that it measures what its name says whatever the demo config uses; the rest (antithetic pairs, rank, sigma, learning
-# rate, ...) is the demo's (quickstart.yaml).
+# rows bf16), so that it measures what its name says whatever the demo config uses; the rest (antithetic pairs,
+# rank, sigma, learning rate, ...) is the demo's (quickstart.yaml).
 _FP32 = {"generation_dtype": None}
 _FULL = {"perturbation": "full", "use_vllm": False, **_FP32}
 _LOWRANK = {"perturbation": "lowrank", "use_vllm": False, **_FP32}
 _VLLM_FULL = {"perturbation": "full", "use_vllm": True, "vllm_cpu_kvcache_space": 1, **_FP32}
-_VLLM_LOWRANK = {"perturbation": "lowrank", "use_vllm": True, "vllm_cpu_kvcache_space": 1, **_FP32}
 # The demo's backend with the demo's own generation precision (the one set of rows that does not pin it).
 _VLLM_DEMO = {"perturbation": "lowrank", "use_vllm": True, "vllm_cpu_kvcache_space": 1}
+_VLLM_LOWRANK = {**_VLLM_DEMO, **_FP32}
 
 METHODS: dict[str, BenchMethod] = {
     m.name: m
