@@ -178,6 +178,11 @@ def test_report_tables_paired_intervals_and_plot(tmp_path):
     assert curves.point_at(runs[0], 450.0)["step"] == 10  # else the last one before
     assert curves.report_times(900.0) == [300.0, 600.0, 900.0]
     assert curves.report_times(90.0) == [60 * 1.5]
+    # Evaluated at 7.5 and 15 min only: the columns are those marks, not 5 min relabelling step 0.
+    assert curves.report_times(900.0, [450.0, 900.0]) == [450.0, 900.0]
+    assert curves.report_times(900.0, [150.0 * k for k in range(1, 7)]) == [300.0, 600.0, 900.0]
+    assert curves.common_eval_marks(runs) == sorted(map(float, settings["eval_at_s"]))
+    assert curves.common_eval_marks([*runs, {"settings": {}}]) is None
 
     for run in runs:  # seeds run in two invocations: the report names both
         run["command"] += " --seeds 0" if run["seed"] == 0 else " --seeds 1 2"
@@ -201,8 +206,12 @@ def test_report_tables_paired_intervals_and_plot(tmp_path):
     assert "| +5.7 | [+4.2, +7.1] | interval excludes zero |" in grpo_row
     assert "| method | level1 | level2 |" in md and "| untrained (step 0) | 20.0 (20.0–20.0) | – |" in md
 
+    assert "- Machine: test machine;" in md
     report = json.loads(paths["json"].read_text())
     assert len(report["runs"]) == 9 and report["summary"]["paired"]
+    runs[0]["machine"] = "Other CPU, 2 cores"  # runs from two machines: the report counts each
+    md = curves.write_curve_report(runs, tmp_path / "out", tmp_path / "img" / "curves.png")["md"].read_text()
+    assert "- Machines (each run's file names its own): test machine (8 runs), Other CPU (1 run);" in md
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..digest import json_digest
 from .clock import StepClock
-from .machine import machine_description, utc_now
+from .machine import machine_description, machines_summary, utc_now
 from .methods import METHODS, _missing_requirements
 from .process import peak_memory, spawn, tail
 from .stats import includes_zero, paired_t_interval
@@ -469,10 +469,27 @@ def point_at(run: Mapping[str, Any], t_s: float) -> dict | None:
     return before[-1] if before else None
 
 
-def report_times(budget_s: float) -> list[float]:
-    """The times of the report's table: 5, 10 and 15 minutes where within the budget, and the budget's end."""
+def report_times(budget_s: float, eval_marks_s: Iterable[float] | None = None) -> list[float]:
+    """The times of the report's table: 5, 10 and 15 minutes where within the budget, and the budget's end.
+    Given the marks every run was evaluated at, those times are kept only if each is such a mark; else the
+    marks themselves are the times, so that no column repeats an earlier evaluation under a later label."""
     times = [60 * m for m in REPORT_MINUTES if 60 * m <= budget_s + 1e-9]
-    return times if times and abs(times[-1] - budget_s) < 1e-6 else [*times, float(budget_s)]
+    times = times if times and abs(times[-1] - budget_s) < 1e-6 else [*times, float(budget_s)]
+    if eval_marks_s is None:
+        return times
+    marks = sorted({float(m) for m in eval_marks_s})
+    if not marks or all(any(abs(t - m) < 1e-6 for m in marks) for t in times):
+        return times
+    return marks
+
+
+def common_eval_marks(runs: Sequence[Mapping[str, Any]]) -> list[float] | None:
+    """The evaluation marks (seconds, the budget's end included) that every run's settings share; None when a
+    run does not record them."""
+    sets = [r.get("settings", {}).get("eval_at_s") for r in runs]
+    if not sets or any(s is None for s in sets):
+        return None
+    return sorted(set.intersection(*(set(map(float, s)) for s in sets)))
 
 
 def _spread(values: Sequence[float]) -> dict[str, float]:
@@ -556,6 +573,15 @@ def _pct_spread(s: Mapping[str, float] | None) -> str:
     return f"{100 * s['mean']:.1f} ({100 * s['min']:.1f}–{100 * s['max']:.1f})"
 
 
+def machine_line(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The machine of every run; where they differ, each CPU with its number of runs (compare a seed's methods
+    with each other, not seeds across CPUs)."""
+    machines = list(dict.fromkeys(r["machine"] for r in runs))
+    if len(machines) == 1:
+        return f"Machine: {machines[0]}"
+    return f"Machines (each run's file names its own): {machines_summary(runs)}"
+
+
 def render_curves_markdown(runs: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
     """curves.md: accuracy at fixed training times with peak memory, paired differences, accuracy per group."""
     lines = ["# Accuracy against training time: DART-ES vs ES vs GRPO vs GRPO+LoRA", ""]
@@ -566,7 +592,7 @@ def render_curves_markdown(runs: Sequence[Mapping[str, Any]], summary: Mapping[s
     rollouts = f"{w['population']} x {w['prompts']} = {w['population'] * w['prompts']}"
     commands = list(dict.fromkeys(r["command"] for r in runs))  # each run records the invocation that made it
     lines += [
-        f"- Machine: {first['machine']}; runs finished {min(r['date'] for r in runs)} to "
+        f"- {machine_line(runs)}; runs finished {min(r['date'] for r in runs)} to "
         f"{max(r['date'] for r in runs)}.",
         f"- Command{'s' if len(commands) > 1 else ''}: {', '.join(f'`{c}`' for c in commands)} (finished runs are "
         "skipped on rerun; `--report-only` rebuilds this page).",
@@ -719,7 +745,7 @@ def write_curve_report(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     budget = max((r["budget_s"] for r in runs), default=60 * DEFAULT_BUDGET_MINUTES)
-    summary = summarize_curves(runs, report_times(budget))
+    summary = summarize_curves(runs, report_times(budget, common_eval_marks(runs)))
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": Path(image)}
     paths["json"].write_text(
         json.dumps({"runs": list(runs), "summary": summary}, indent=1, default=str) + "\n"

@@ -6,8 +6,11 @@ import contextlib
 import os
 import platform
 import subprocess
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -50,3 +53,9 @@ def _gpu_name() -> str | None:
 def utc_now() -> str:
     """The `date` of a row or a curve: minutes, UTC."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def machines_summary(runs: Iterable[Mapping[str, Any]]) -> str:
+    """The CPUs that runs came from, with their counts: one report may span several machines of this kind."""
+    counts = Counter(r["machine"].split(",")[0] for r in runs)
+    return ", ".join(f"{cpu} ({n} run{'s' if n != 1 else ''})" for cpu, n in counts.most_common())

@@ -27,12 +27,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from .clock import StepClock
-from .machine import machine_description, utc_now
+from .machine import machine_description, machines_summary, utc_now
 from .stats import paired_t_interval
 from .workload import REPO_ROOT
 
@@ -91,12 +90,6 @@ def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def eval_every(name: str, args: argparse.Namespace) -> int:
     """Steps between held-out evaluations: the preset's own `eval_every` (a long run), else `--eval-every`."""
     return presets()[name].get("eval_every", args.eval_every)
-
-
-def _machines(runs: list[dict]) -> str:
-    """The CPUs the runs came from, with their counts: one study spans several machines of this kind."""
-    counts = Counter(r["machine"].split(",")[0] for r in runs)
-    return ", ".join(f"{cpu} ({n} runs)" for cpu, n in counts.most_common())
 
 
 def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tuple:
@@ -263,7 +256,7 @@ def report(args: argparse.Namespace) -> None:
         f"{100 / args.eval_prompts:.2f} points). Command (a row: its variant and seeds): `python -m"
         f" trl_dart_es.benchmark --curves --preset <variant> --seeds <seeds>{_flags(args)}` (finished runs are"
         f" skipped; without `<variant> --seeds <seeds>` it rebuilds this page); runs in `{args.runs_dir}/`. Machines"
-        f" (each run's file names its own): {_machines(runs)};"
+        f" (each run's file names its own): {machines_summary(runs)};"
         f" last run {max(r['date'] for r in runs)}. Train minutes exclude evaluation and were measured on machines"
         " of different speed, some while other jobs shared the 2 cores, so compare them only roughly.",
         "",
