@@ -15,7 +15,7 @@ from conftest import (
 )
 from transformers import GenerationConfig
 
-from trl_dart_es import DartESTrainer
+from trl_dart_es import DartESTrainer, precision
 from trl_dart_es.lowrank import LowRankParameters
 from trl_dart_es.noise import population
 from trl_dart_es.perturb import EvolvedParameters
@@ -53,10 +53,31 @@ def test_generation_precision_enters_cache_keys_only_when_set():
 
     engine = NS(dtype=torch.bfloat16)
     assert generation_precision(NS(args=NS(generation_dtype=None), rollout=NS(engine=engine))) == {}
-    assert generation_precision(NS(args=NS(generation_dtype="auto"), rollout=NS(engine=engine))) == {
-        "generation_dtype": "torch.bfloat16"
-    }
+    parts = generation_precision(NS(args=NS(generation_dtype="auto"), rollout=NS(engine=engine)))
+    assert parts["generation_dtype"] == "torch.bfloat16"
     assert generation_precision(NS(args=NS(generation_dtype="auto"), rollout=NS())) == {}  # no engine
+
+
+def test_bf16_cache_keys_name_the_cpus_bf16_units(monkeypatch):
+    # AMX and AVX512-BF16 round bf16 differently: an untrained score cached on one is not the other's.
+    from types import SimpleNamespace as NS
+
+    import trl_dart_es.trainer.baseline as baseline
+
+    def key(engine_dtype, device="cpu"):
+        trainer = NS(args=NS(generation_dtype="auto"), rollout=NS(engine=NS(dtype=engine_dtype)),
+                     accelerator=NS(device=torch.device(device)))  # fmt: skip
+        return generation_precision(trainer)
+
+    keys = {}
+    for name, cpuinfo in (("amx", AMX_CPU), ("avx2", AVX2_CPU)):
+        monkeypatch.setattr(baseline, "cpu_bf16_flags", lambda c=cpuinfo: precision.cpu_bf16_flags(c))
+        keys[name] = key(torch.bfloat16)
+        assert key(torch.float32) == {"generation_dtype": "torch.float32"}  # fp32: no CPU part
+    assert keys["amx"]["cpu_bf16"] == "avx512_bf16+amx_bf16"
+    assert precision.cpu_bf16_flags(AMX_CPU.replace(" amx_bf16 amx_tile", "")) == ["avx512_bf16"]  # an EPYC
+    assert keys["avx2"]["cpu_bf16"] == "emulated" and keys["amx"] != keys["avx2"]
+    assert "cpu_bf16" not in key(torch.bfloat16, device="meta")  # an accelerator: not the CPU's units
 
 
 def test_config_refuses_a_bad_generation_dtype(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GENERATION_DTYPES", "cpu_supports_bf16", "resolve_generation_dtype"]
+__all__ = ["GENERATION_DTYPES", "cpu_bf16_flags", "cpu_supports_bf16", "resolve_generation_dtype"]
 
 GENERATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # CPU flags of native bf16 arithmetic (AVX512-BF16 dot products, AMX tiles): without them bf16 is emulated and
@@ -21,8 +21,8 @@ GENERATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_supports_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has native bf16 units (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's flags)."""
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """This CPU's native bf16 flags (of ``avx512_bf16``, ``amx_bf16``) in /proc/cpuinfo; [] where there are none."""
     if cpuinfo is None:
         cpuinfo = ""
         with contextlib.suppress(OSError):
@@ -31,7 +31,12 @@ def cpu_supports_bf16(cpuinfo: str | None = None) -> bool:
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
-    return any(flag in flags for flag in _BF16_CPU_FLAGS)
+    return [flag for flag in _BF16_CPU_FLAGS if flag in flags]
+
+
+def cpu_supports_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has native bf16 units (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's flags)."""
+    return bool(cpu_bf16_flags(cpuinfo))
 
 
 def resolve_generation_dtype(
