@@ -309,7 +309,10 @@ def test_wandb_offline_gets_scalars_and_the_completions_table(tmp_path, tiny_lm,
         num_completions_to_print=0,
     )
     trainer.train()
-    wandb.finish()  # flushes the run file (a script's exit does the same)
+    # finish() only asks the service to close the run; the service flushes the run file when it closes the
+    # stream, asynchronously. teardown() waits for the service to exit, as a script's exit does.
+    wandb.finish()
+    wandb.teardown()
     (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     (run_file,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
     history = [row for row in _wandb_history(run_file) if "train/reward" in row]
