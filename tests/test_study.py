@@ -261,7 +261,7 @@ def test_a_preset_runs_end_to_end_through_the_harness_and_a_rerun_skips(tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRL_DART_ES_CACHE", str(tmp_path / "cache"))
     tiny = {**study.presets()["lr-answer32"], "population_size": 2, "per_device_train_batch_size": 2,
-            "max_completion_length": 4, "max_steps": 2}  # fmt: skip
+            "max_completion_length": 4, "max_steps": 2, "validation_prompts": 3}  # fmt: skip
     monkeypatch.setitem(study.presets(), "tiny", tiny)
     argv = ["--curves", "--preset", "tiny", "--seeds", "0", "--eval-prompts", "4", "--eval-every", "1",
             "--runs-dir", str(tmp_path / "runs"), "--output-dir", str(tmp_path / "out")]  # fmt: skip
@@ -272,7 +272,12 @@ def test_a_preset_runs_end_to_end_through_the_harness_and_a_rerun_skips(tmp_path
     seconds = [p["train_seconds"] for p in run["points"]]
     assert seconds[0] == 0.0 < seconds[1] < seconds[2] == pytest.approx(run["train_seconds"])
     assert len(list((tmp_path / "cache" / "baselines").glob("*.json"))) == 1
-    assert "| tiny | 0 | 8 |" in (tmp_path / "out" / "study.md").read_text()
+    # Scored on validation wherever scored on test: the report picks a checkpoint on it.
+    assert all(0.0 <= p["validation_accuracy"] <= 1.0 for p in run["points"])
+    page = (tmp_path / "out" / "study.md").read_text()
+    assert "| tiny | 0 | 8 |" in page
+    picked = study.picked_on_validation(run)
+    assert f"| tiny | 0 | {picked['step']} |" in page
     capsys.readouterr()
     bench.main(argv)
     assert "skip tiny seed 0: finished" in capsys.readouterr().out
@@ -304,3 +309,36 @@ def test_the_transfer_table_gives_each_gain_with_its_interval_and_smallest_seed(
     assert row.split(" | ")[3] == "11.0% → 11.0% (+0.0 [+0.0, +0.0], min +0.0)"
     one_seed = study._transfer_table(runs[:1])
     assert "11.0%" not in one_seed[-1] and one_seed[-1].split(" | ")[2] == "10.0% → 14.0% (+4.0)"
+
+
+def test_the_checkpoint_picked_on_validation_is_the_first_best_and_its_test_gain_is_reported():
+    """Each run's point with the best validation accuracy (the first of equals, as load_best_model_at_end keeps
+    it); the table gives its test gain against the last point's, paired by run."""
+    from trl_dart_es.benchmark.stats import paired_t_interval
+
+    def run(seed, accs, vals, held):
+        points = [
+            {"step": 9 * i, "accuracy": a, "validation_accuracy": v, "groups": {"template_held_out": h}}
+            for i, (a, v, h) in enumerate(zip(accs, vals, held, strict=True))
+        ]
+        return {"variant": "v2-n16b8-lr2-val", "seed": seed, "points": points}
+
+    runs = [
+        run(0, [0.20, 0.25, 0.22], [0.30, 0.34, 0.34], [0.10, 0.12, 0.08]),  # a tie: the first of the two
+        run(1, [0.20, 0.19, 0.24], [0.30, 0.29, 0.33], [0.10, 0.09, 0.13]),  # the last
+        run(2, [0.21, 0.18, 0.19], [0.30, 0.28, 0.29], [0.10, 0.09, 0.08]),  # none better than before: step 0
+    ]
+    assert [study.picked_on_validation(r)["step"] for r in runs] == [9, 18, 0]
+    assert study.picked_on_validation({"points": [{"step": 0, "accuracy": 0.2}]}) is None
+    row = next(line for line in study._picked_table(runs) if line.startswith("| v2-n16b8-lr2-val |"))
+    cells = row.split(" | ")
+    assert cells[2] == "9, 18, 0"
+    gains = [0.05, 0.04, 0.0]
+    _, lo, hi = paired_t_interval(gains)
+    assert cells[3] == f"+3.0 [{100 * lo:+.1f}, {100 * hi:+.1f}]; +5.0, +4.0, +0.0"
+    assert cells[4] == "+1.3"  # the last points: +2.0, +4.0, -2.0
+    _, lo, hi = paired_t_interval([0.03, 0.0, 0.02])
+    assert cells[5] == f"+1.7 [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    assert cells[6] == "+1.7, min +0.0 |"  # +2.0, +3.0, +0.0
+    # Runs without validation scores get no row.
+    assert study._picked_table([{**runs[0], "points": [{"step": 0, "accuracy": 0.2}]}]) == []

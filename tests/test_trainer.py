@@ -19,12 +19,13 @@ def _config(tmp_path, **kw):
     return tiny_es_config(tmp_path / "out", **kw)
 
 
-def _trainer(tmp_path, tiny_lm, tokenizer, reward_funcs=None, dataset=None, **kw):
+def _trainer(tmp_path, tiny_lm, tokenizer, reward_funcs=None, dataset=None, eval_dataset=None, **kw):
     return DartESTrainer(
         model=tiny_lm,
         reward_funcs=reward_funcs or [parity_reward, length_reward],
         args=_config(tmp_path, **kw),
         train_dataset=dataset if dataset is not None else _dataset(),
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
     )
 
@@ -307,17 +308,54 @@ def test_resume_from_foreign_checkpoint_is_a_clear_error(tmp_path, tiny_lm, toke
         trainer2.train(resume_from_checkpoint=str(ckpt))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_best_model_at_end_puts_the_best_checkpoint_in_the_model_and_the_es_state(
+    tmp_path, tokenizer, dtype
+):
+    """Trainer's `load_best_model_at_end` on the default metric (eval reward): the model ends with the best
+    checkpoint's weights, and so do the ES base and fp32 master, so a later perturb/restore comes back to them."""
+    from conftest import make_tiny_llama
+    from safetensors.torch import load_file
+
+    from trl_dart_es.noise import Member
+
+    model = make_tiny_llama(vocab_size=len(tokenizer), hidden=16, layers=1, dtype=dtype)
+    trainer = _trainer(
+        tmp_path, model, tokenizer, eval_dataset=_dataset(6), max_steps=4, eval_strategy="steps", eval_steps=1,
+        save_strategy="steps", save_steps=1, load_best_model_at_end=True, per_device_eval_batch_size=6,
+    )  # fmt: skip
+    assert trainer.args.metric_for_best_model == "reward" and trainer.args.greater_is_better
+    trainer.train()
+    rewards = {log["step"]: log["eval_reward"] for log in trainer.state.log_history if "eval_reward" in log}
+    best_step = max(rewards, key=rewards.get)  # the first best, as Trainer keeps it
+    assert best_step != 4, "the test needs a best checkpoint other than the last"
+    best = tmp_path / "out" / f"checkpoint-{best_step}"
+    assert trainer.state.best_model_checkpoint == str(best)
+    saved = load_file(best / "model.safetensors")
+    expected = {n: saved[n] for n, _ in model.named_parameters() if n in saved}
+    assert expected and all(
+        torch.equal(p.detach(), expected[n]) for n, p in model.named_parameters() if n in saved
+    )
+    master = trainer.es_params.master_state_dict()
+    if dtype == torch.float32:
+        assert master == {}
+    else:  # the fp32 master is the best checkpoint's, not the last step's
+        saved_master = load_file(best / "dart_es_master.safetensors")
+        assert master.keys() == saved_master.keys()
+        assert all(torch.equal(master[n], saved_master[n]) for n in master)
+    before = _params(model)
+    trainer.es_params.perturb(Member(seed=123, sign=1))
+    trainer.es_params.restore()
+    assert all(torch.equal(before[n], p) for n, p in _params(model).items())
+    assert trainer.evaluate(_dataset(6))["eval_reward"] == pytest.approx(rewards[best_step])
+
+
 # ------------------------------------------------------------------------------------------- evaluation
 def test_evaluation_runs_on_schedule_with_unperturbed_model(tmp_path, tiny_lm, tokenizer):
-    args = _config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3)
-    trainer = DartESTrainer(
-        tiny_lm,
-        [parity_reward, length_reward],
-        args,
-        _dataset(),
-        eval_dataset=_dataset(5),
-        processing_class=tokenizer,
-    )
+    trainer = _trainer(
+        tmp_path, tiny_lm, tokenizer, eval_dataset=_dataset(5), max_steps=2, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=3,
+    )  # fmt: skip
     trainer.train()
     evals = [log for log in trainer.state.log_history if "eval_accuracy" in log]
     assert [log["step"] for log in evals] == [1, 2]

@@ -105,6 +105,7 @@ def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tup
     variant.pop("train_levels", None)  # the train split's difficulty levels: run_preset's, not the config's
     variant.pop("eval_every", None)  # the caller's `eval_every` argument
     variant.pop("task_version", None)  # the task generator's version: run_preset's, not the config's
+    variant.pop("validation_prompts", None)  # run_preset's validation set, not the config's
     if budget:
         variant["max_steps"] = 10_000
     values = {
@@ -151,16 +152,19 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
             **task_options(name),
         )
         clock = StepClock(budget * 60 if budget else None)
+        validation = _validation_scores(name, script_args.dataset_name, style)
         trainer = DartESTrainer(
             model=model_args.model_name_or_path,
             reward_funcs=script_args.load_reward_funcs(),
             args=cfg,
             train_dataset=train,
             eval_dataset=held_out,
-            callbacks=[clock.callback(evaluate_last=True)],
+            callbacks=[clock.callback(evaluate_last=True), validation],
         )
+        validation.trainer = trainer
         # Greedy evaluation of the untrained model is deterministic: cached, keyed by all that changes it.
         at_start, _ = evaluate_untrained(trainer, held_out, model_args.model_name_or_path)
+        validation.score(0)
         started = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - started
@@ -185,6 +189,9 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
                     "groups": groups(e),
                 }
             )
+    for point in points:
+        if point["step"] in validation.accuracy:
+            point["validation_accuracy"] = validation.accuracy[point["step"]]
     train_log = [
         {k: e[k] for k in ("step", "reward", "rewards/gsm8k_format_reward/mean", "completions/mean_length",
                            "dart/frac_solved_by_none", "dart/frac_solved_by_all", "dart/buffer_size") if k in e}
@@ -197,6 +204,41 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
         "train_seconds": clock.train_seconds, "wall_s": wall, "train_log": train_log, "machine": machine_description(),
         "date": utc_now(),
     }  # fmt: skip
+
+
+def _validation_scores(name: str, dataset_name: str, style: str):
+    """A callback that, with the preset's `validation_prompts`, scores greedy accuracy on that many prompts of the
+    validation split (no question shared with train or test) wherever the test set is evaluated, so that the
+    report can pick each run's checkpoint on validation, as `load_best_model_at_end` would, and read its test
+    accuracy. `.accuracy` maps step to accuracy; set `.trainer` before training."""
+    from transformers import TrainerCallback
+
+    from ..tasks import load_task_dataset
+
+    size = int(presets()[name].get("validation_prompts", 0))
+
+    class ValidationScores(TrainerCallback):
+        trainer = None
+        accuracy: dict[int, float] = {}
+        _data = None
+
+        def score(self, step: int) -> None:
+            if not size:
+                return
+            if self._data is None:
+                self._data = load_task_dataset(
+                    dataset_name, "validation", prompt_style=style, num_examples=size, **task_options(name)
+                )
+            self.accuracy[step] = self.trainer.evaluate_dataset(self._data, "validation")[
+                "validation_accuracy"
+            ]
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.score(state.global_step)
+
+    scores = ValidationScores()
+    scores.accuracy = {}
+    return scores
 
 
 def _rollouts_per_step(variant: dict[str, Any]) -> int:
@@ -294,7 +336,7 @@ def report(args: argparse.Namespace) -> None:
                     f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
                     f"| {100 * p[f'{key}mean']:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
                 )
-    lines += _steps_table(runs) + _transfer_table(runs)
+    lines += _steps_table(runs) + _transfer_table(runs) + _picked_table(runs)
     lines += [
         "",
         "Variants (overrides of recipes/configs/quickstart_fullrank.yaml, from benchmarks/study_presets.yaml):",
@@ -390,6 +432,60 @@ def _transfer_table(runs: list[dict[str, Any]]) -> list[str]:
         "",
         "| variant | seeds | templates held out | templates seen | wordings held out | wordings seen |",
         "| --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
+
+
+def picked_on_validation(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's point with the best validation accuracy (the first of equals, as `load_best_model_at_end` keeps
+    the first best checkpoint), or None unless every point has a validation score."""
+    points = run["points"]
+    if not all("validation_accuracy" in p for p in points):
+        return None
+    return max(points, key=lambda p: p["validation_accuracy"])  # max() returns the first maximum
+
+
+def _picked_table(runs: list[dict[str, Any]]) -> list[str]:
+    """For variants scored on validation: the test gain of each run's checkpoint picked on validation, against
+    its last checkpoint's, paired by run."""
+    rows = []
+    for name, mine in _by_variant(runs).items():
+        picked = [picked_on_validation(r) for r in mine]
+        if any(p is None for p in picked):
+            continue
+        start = [r["points"][0] for r in mine]
+        gains = [p["accuracy"] - s["accuracy"] for p, s in zip(picked, start, strict=True)]
+        final = [r["points"][-1]["accuracy"] - s["accuracy"] for r, s in zip(mine, start, strict=True)]
+        held = [
+            p["groups"]["template_held_out"] - s["groups"]["template_held_out"]
+            for p, s in zip(picked, start, strict=True)
+            if "template_held_out" in p.get("groups", {})
+        ]
+
+        def ci(values: list[float]) -> str:
+            if len(values) < 2:
+                return "n/a"
+            _, lo, hi = paired_t_interval(values)
+            return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+        diffs = [g - f for g, f in zip(gains, final, strict=True)]
+        rows.append(
+            f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {', '.join(str(p['step']) for p in picked)} "
+            f"| {100 * statistics.fmean(gains):+.1f} {ci(gains)}; {', '.join(f'{100 * g:+.1f}' for g in gains)} "
+            f"| {100 * statistics.fmean(final):+.1f} | {100 * statistics.fmean(diffs):+.1f} {ci(diffs)} "
+            f"| {f'{100 * statistics.fmean(held):+.1f}, min {100 * min(held):+.1f}' if held else 'n/a'} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "Checkpoint picked on validation (the best validation accuracy among the evaluated steps, as"
+        " `load_best_model_at_end` keeps it): its test gain over step 0 (mean [95% CI]; per seed), the last"
+        " checkpoint's gain, their paired difference, and the picked checkpoint's gain on held-out templates (mean,"
+        " smallest seed):",
+        "",
+        "| variant | seeds | steps picked | gain, picked | gain, last | picked − last | templates held out, picked |",
+        "| --- | --- | --- | --- | ---: | --- | --- |",
         *rows,
     ]
 

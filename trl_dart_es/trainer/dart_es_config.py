@@ -319,6 +319,8 @@ class DartESConfig(TrainingArguments):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, json.loads(value))
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "reward"  # ES computes no eval loss (Trainer's default metric)
         super().__post_init__()
         self._validate()
 

@@ -631,6 +631,18 @@ class DartESTrainer(_BaseTrainer):
             self.es_params.load_master_state_dict(load_file(master))
         self._torn = None  # weights and state come from the checkpoint again: a torn update is behind us
 
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: Trainer loads the best checkpoint's weights; the ES state then follows them
+        (its exact-restore base, and a 16-bit model's fp32 master), or the next restore would bring back the last
+        step's weights."""
+        if self.es_params.is_perturbed:
+            self.es_params.restore()
+        super()._load_best_model()
+        self.es_params.sync_from_model()
+        master = os.path.join(self.state.best_model_checkpoint, MASTER_WEIGHTS_NAME)
+        if os.path.exists(master):
+            self.es_params.load_master_state_dict(load_file(master))
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.es_params.is_perturbed:
             self.es_params.restore()
