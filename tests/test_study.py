@@ -23,15 +23,7 @@ def test_every_variant_builds_a_valid_config(name, tmp_path):
         name, seed=3, output_dir=str(tmp_path), eval_every=10
     )
     for key, value in overrides.items():
-        if key not in (
-            "prompt_style",
-            "budget_minutes",
-            "max_steps",
-            "reward_funcs",
-            "eval_every",
-            "train_levels",
-            "task_version",
-        ):
+        if key not in (*study.HARNESS_KEYS, "max_steps", "reward_funcs"):
             if isinstance(getattr(cfg, key), dict) and isinstance(value, str):  # a dict field given as JSON
                 value = json.loads(value)
             assert getattr(cfg, key) == value, key

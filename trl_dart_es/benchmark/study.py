@@ -40,6 +40,16 @@ PRESETS_FILE = REPO_ROOT / "benchmarks" / "study_presets.yaml"
 DEFAULT_RUNS_DIR = Path("results") / "study_runs"
 DEFAULT_EVAL_PROMPTS = 256
 DEFAULT_EVAL_EVERY = 10
+# Preset keys that the harness reads, not DartESConfig: the prompt, the time budget, the train split's levels,
+# the steps between evaluations, the task generator's version and the size of the validation set.
+HARNESS_KEYS = (
+    "prompt_style",
+    "budget_minutes",
+    "train_levels",
+    "eval_every",
+    "task_version",
+    "validation_prompts",
+)
 
 
 def load_presets(path: str | Path = PRESETS_FILE) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
@@ -100,12 +110,10 @@ def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tup
     from .trainers import parse_recipe_config
 
     variant = dict(presets()[name])
-    style = variant.pop("prompt_style", "steps")
-    budget = variant.pop("budget_minutes", None)
-    variant.pop("train_levels", None)  # the train split's difficulty levels: run_preset's, not the config's
-    variant.pop("eval_every", None)  # the caller's `eval_every` argument
-    variant.pop("task_version", None)  # the task generator's version: run_preset's, not the config's
-    variant.pop("validation_prompts", None)  # run_preset's validation set, not the config's
+    style = variant.get("prompt_style", "steps")
+    budget = variant.get("budget_minutes")
+    for key in HARNESS_KEYS:
+        variant.pop(key, None)
     if budget:
         variant["max_steps"] = 10_000
     values = {
