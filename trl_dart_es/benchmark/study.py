@@ -224,29 +224,28 @@ def _validation_scores(name: str, dataset_name: str, style: str):
     from ..tasks import load_task_dataset
 
     size = int(presets()[name].get("validation_prompts", 0))
+    data = (
+        load_task_dataset(
+            dataset_name, "validation", prompt_style=style, num_examples=size, **task_options(name)
+        )
+        if size
+        else None
+    )
 
     class ValidationScores(TrainerCallback):
-        trainer = None
-        accuracy: dict[int, float] = {}
-        _data = None
+        def __init__(self):
+            self.trainer = None
+            self.accuracy: dict[int, float] = {}
 
         def score(self, step: int) -> None:
-            if not size:
-                return
-            if self._data is None:
-                self._data = load_task_dataset(
-                    dataset_name, "validation", prompt_style=style, num_examples=size, **task_options(name)
-                )
-            self.accuracy[step] = self.trainer.evaluate_dataset(self._data, "validation")[
-                "validation_accuracy"
-            ]
+            if data is not None:
+                metrics = self.trainer.evaluate_dataset(data, "validation")
+                self.accuracy[step] = metrics["validation_accuracy"]
 
         def on_evaluate(self, args, state, control, **kwargs):
             self.score(state.global_step)
 
-    scores = ValidationScores()
-    scores.accuracy = {}
-    return scores
+    return ValidationScores()
 
 
 def _rollouts_per_step(variant: dict[str, Any]) -> int:
@@ -453,6 +452,14 @@ def picked_on_validation(run: dict[str, Any]) -> dict[str, Any] | None:
     return max(points, key=lambda p: p["validation_accuracy"])  # max() returns the first maximum
 
 
+def _interval(values: list[float]) -> str:
+    """The 95% t-interval of `values` in points, or "n/a" for fewer than 2."""
+    if len(values) < 2:
+        return "n/a"
+    _, lo, hi = paired_t_interval(values)
+    return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
 def _picked_table(runs: list[dict[str, Any]]) -> list[str]:
     """For variants scored on validation: the test gain of each run's checkpoint picked on validation, against
     its last checkpoint's, paired by run."""
@@ -469,18 +476,11 @@ def _picked_table(runs: list[dict[str, Any]]) -> list[str]:
             for p, s in zip(picked, start, strict=True)
             if "template_held_out" in p.get("groups", {})
         ]
-
-        def ci(values: list[float]) -> str:
-            if len(values) < 2:
-                return "n/a"
-            _, lo, hi = paired_t_interval(values)
-            return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
         diffs = [g - f for g, f in zip(gains, final, strict=True)]
         rows.append(
             f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {', '.join(str(p['step']) for p in picked)} "
-            f"| {100 * statistics.fmean(gains):+.1f} {ci(gains)}; {', '.join(f'{100 * g:+.1f}' for g in gains)} "
-            f"| {100 * statistics.fmean(final):+.1f} | {100 * statistics.fmean(diffs):+.1f} {ci(diffs)} "
+            f"| {100 * statistics.fmean(gains):+.1f} {_interval(gains)}; {', '.join(f'{100 * g:+.1f}' for g in gains)} "
+            f"| {100 * statistics.fmean(final):+.1f} | {100 * statistics.fmean(diffs):+.1f} {_interval(diffs)} "
             f"| {f'{100 * statistics.fmean(held):+.1f}, min {100 * min(held):+.1f}' if held else 'n/a'} |"
         )
     if not rows:

@@ -625,10 +625,7 @@ class DartESTrainer(_BaseTrainer):
             )
         with open(path) as f:
             self.strategy.load_state_dict(json.load(f))
-        self.es_params.sync_from_model()
-        master = os.path.join(checkpoint, MASTER_WEIGHTS_NAME)
-        if os.path.exists(master):
-            self.es_params.load_master_state_dict(load_file(master))
+        self._es_weights_from(checkpoint)
         self._torn = None  # weights and state come from the checkpoint again: a torn update is behind us
 
     def _load_best_model(self) -> None:
@@ -638,8 +635,13 @@ class DartESTrainer(_BaseTrainer):
         if self.es_params.is_perturbed:
             self.es_params.restore()
         super()._load_best_model()
+        self._es_weights_from(self.state.best_model_checkpoint)
+
+    def _es_weights_from(self, checkpoint: str) -> None:
+        """After Trainer loaded `checkpoint`'s weights into the model: the ES base follows them, and a 16-bit
+        model's fp32 master comes from the checkpoint's master file."""
         self.es_params.sync_from_model()
-        master = os.path.join(self.state.best_model_checkpoint, MASTER_WEIGHTS_NAME)
+        master = os.path.join(checkpoint, MASTER_WEIGHTS_NAME)
         if os.path.exists(master):
             self.es_params.load_master_state_dict(load_file(master))
 
