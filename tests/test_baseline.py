@@ -8,6 +8,8 @@ from trl_dart_es.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
 from trl_dart_es.tasks import load_task_dataset
 from trl_dart_es.trainer.baseline import baseline_cache_key, evaluate_untrained
 
+EMBEDDED = "embedded:smollm2-135m"
+
 
 def _trainer(tmp_path):
     data = load_task_dataset("embedded:gsm8k", "test", num_examples=4)
@@ -40,3 +42,28 @@ def test_untrained_metrics_are_cached_by_everything_that_changes_them(tmp_path, 
     # A model that is not embedded (its weights may change) is never cached.
     _, cached = evaluate_untrained(trainer, data, "some-org/some-model", cache_dir=cache)
     assert not cached and len(list(cache.glob("*.json"))) == 2
+
+
+def test_untrained_solved_rows_are_cached_with_the_metrics(tmp_path, monkeypatch):
+    """The recipe's paired interval needs the untrained model's per-row flags: cached with the metrics, and a
+    file written without them (an older cache) is evaluated anew for a caller that needs them."""
+    import json
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "cache"
+    trainer, data = _trainer(tmp_path)
+    metrics, solved, cached = evaluate_untrained(trainer, data, EMBEDDED, cache_dir=cache, return_solved=True)
+    assert (
+        not cached
+        and solved.shape == (len(data),)
+        and solved.mean() == pytest.approx(metrics["eval_accuracy"])
+    )
+    again, solved_again, cached = evaluate_untrained(
+        trainer, data, EMBEDDED, cache_dir=cache, return_solved=True
+    )
+    assert cached and again == pytest.approx(metrics) and solved_again.tolist() == solved.tolist()
+    (path,) = cache.glob("*.json")
+    path.write_text(json.dumps(metrics))  # as written before the flags were stored
+    assert evaluate_untrained(trainer, data, EMBEDDED, cache_dir=cache)[1]  # enough for metrics alone
+    *_, cached = evaluate_untrained(trainer, data, EMBEDDED, cache_dir=cache, return_solved=True)
+    assert not cached and "solved_rows" in json.loads(path.read_text())

@@ -190,8 +190,37 @@ def test_step_metrics_and_parquet_rows_match_the_rollouts(tmp_path, tiny_lm, tok
         np.testing.assert_allclose(df["difficulty_weight"], np.tile(result.weights, n))
     out = capsys.readouterr().out
     # TRL's rich table at each log, with num_completions_to_print rows (one USER line per row's prompt)
-    assert "Step 1" in out and "Step 2" in out and "Advantage" in out and "member_seed" in out
+    assert "Step 1" in out and "Step 2" in out and "Advantage" in out and "member" in out
+    assert "member_seed" not in out  # in the files only: 19 digits squeeze an 80-column console
     assert out.count("USER") == 2 * 3
+
+
+def test_completions_print_steps_prints_the_table_only_at_its_multiples(
+    tmp_path, tiny_lm, tokenizer, capsys, monkeypatch
+):
+    """The console gets the table at steps 2 and 4 of 5; every logging step still writes its parquet file."""
+    monkeypatch.setenv("COLUMNS", "240")
+    trainer, _ = _trainer(
+        tmp_path,
+        tokenizer,
+        tiny_lm,
+        monkeypatch,
+        max_steps=5,
+        log_completions=True,
+        num_completions_to_print=1,
+        completions_print_steps=2,
+    )
+    trainer.train()
+    out = capsys.readouterr().out
+    printed = [step for step in range(1, 6) if f"Step {step} " in out]
+    assert printed == [2, 4], out[-2000:]
+    files = sorted(p.name for p in (tmp_path / "out" / "completions").glob("*.parquet"))
+    assert files == [f"completions_{step:05d}.parquet" for step in range(1, 6)]
+
+
+def test_completions_print_steps_below_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="completions_print_steps=0"):
+        tiny_es_config(tmp_path, completions_print_steps=0)
 
 
 def test_without_log_completions_nothing_is_written_and_metrics_stay(

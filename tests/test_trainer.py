@@ -266,7 +266,9 @@ def test_same_seed_same_trajectory(tmp_path, tokenizer):
 
 
 # -------------------------------------------------------------------------------- checkpoint and resume
-def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, tokenizer):
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, tokenizer, momentum):
+    """With `momentum` the checkpoint also carries the running update, which the resumed steps need."""
     from conftest import make_tiny_llama
 
     def run(out, max_steps, resume=None):
@@ -277,6 +279,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, tokenizer):
             save_strategy="steps",
             save_steps=2,
             per_device_train_batch_size=3,
+            momentum=momentum,
         )
         trainer = DartESTrainer(
             model, [parity_reward, length_reward], args, _dataset(), processing_class=tokenizer
@@ -288,6 +291,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, tokenizer):
     run("b", 2)  # "interrupted" after a checkpoint at step 2
     ckpt = tmp_path / "b" / "out" / "checkpoint-2"
     assert (ckpt / "dart_es_state.json").exists() and (ckpt / "model.safetensors").exists()
+    assert (ckpt / "dart_es_velocity.safetensors").exists() == bool(momentum)
     resumed = run("b", 4, resume=str(ckpt))
     assert resumed.state.global_step == 4
     a, b = _params(straight.model), _params(resumed.model)
@@ -406,6 +410,18 @@ def test_evaluation_reports_clipped_ratio_and_accuracy_per_level_and_wording(tmp
     for value in ("seen", "held_out"):
         assert metrics[f"eval_accuracy/wording_{value}"] == pytest.approx(solved[wording == value].mean())
     assert "eval_accuracy/level1" not in trainer.evaluate_dataset(_dataset(3))  # no level column, no split
+    # Row by row, for a paired comparison of two evaluations.
+    again, flags = trainer.evaluate_dataset(rows, return_solved=True)
+    assert again == metrics and flags.dtype == bool and flags.tolist() == (solved == 1).tolist()
+
+
+def test_rows_gathered_rank_by_rank_go_back_to_dataset_order():
+    from trl_dart_es.trainer.dart_es_trainer import strided_to_dataset_order
+
+    rows = np.arange(7)
+    for world in (1, 2, 3):
+        gathered = np.concatenate([rows[r::world] for r in range(world)])  # what evaluate_dataset gathers
+        assert strided_to_dataset_order(gathered, world).tolist() == rows.tolist()
 
 
 def test_learning_rate_schedule_reaches_the_es_update(tmp_path, tiny_lm, tokenizer):

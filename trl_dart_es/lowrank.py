@@ -76,6 +76,8 @@ class LowRankParameters(MemberState):
         names: evolve only these trainable parameters (e.g. :func:`lora_carried_names`); the others stay
             fixed: neither perturbed nor updated. Default: every trainable parameter. A parameter's factors
             depend only on the seed and its name, so restricting the set does not change the others' noise.
+        momentum: as in EvolvedParameters: apply the running update ``v <- mu v + (1 - mu) delta`` (fp32, one
+            per evolved parameter; the low-rank steps' sum is high-rank, so ``v`` is a full matrix).
     """
 
     def __init__(
@@ -87,9 +89,11 @@ class LowRankParameters(MemberState):
         exact_restore: bool = True,
         cache_noise: bool = True,
         names: Collection[str] | None = None,
+        momentum: float = 0.0,
     ) -> None:
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"sigma must be a positive finite number, got {sigma!r}")
+        self._init_momentum(momentum, exact_restore)
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -124,7 +128,9 @@ class LowRankParameters(MemberState):
         )
         self._vec_names = [n for n, _ in vecs]
         self._vectors = (
-            EvolvedParameters(_Subset(vecs), sigma, exact_restore=exact_restore, cache_noise=cache_noise)
+            EvolvedParameters(
+                _Subset(vecs), sigma, exact_restore=exact_restore, cache_noise=cache_noise, momentum=momentum
+            )
             if vecs
             else None
         )
@@ -245,29 +251,35 @@ class LowRankParameters(MemberState):
         """``theta += (lr / N) * sum_n z[n] * sign_n * eps_n``, with ``eps_n = A_n B_n^T / sqrt(r)`` on matrices.
 
         Per matrix this is one matmul ``(A diag(c)) B^T`` over the stacked factors of all members (members that
-        share a seed are combined first), accumulated in float32 and applied once. Full-rank tensors are
-        updated by EvolvedParameters. Restores first if a member is applied; clears the caches. Returns the L2
-        norm of the float32 update over all parameters.
+        share a seed are combined first), accumulated in float32 and applied once (with momentum, through the
+        running update). Full-rank tensors are updated by EvolvedParameters. Restores first if a member is
+        applied; clears the caches. Returns the L2 norm of the float32 update applied over all parameters.
         """
         members, coef = self._update_coefficients(members, z, lr)
         scale = float(lr) / len(members) / math.sqrt(self.rank)
         groups = [(seed, c * scale) for seed, c in coef.items() if c != 0.0]
         sq = 0.0
         try:
-            if groups:
+            if groups or self.momentum:  # with momentum, a step whose coefficients cancel still moves by mu v
                 for i, p in enumerate(self._mats):
                     m = p.shape[0]
                     device = p.device
-                    stacked = torch.cat([self._member_factors(seed)[i] for seed, _ in groups])  # (G*r, m+n)
-                    c = torch.tensor([c for _, c in groups], dtype=torch.float32, device=device)
+                    if groups:  # (G*r, m+n)
+                        stacked = torch.cat([self._member_factors(seed)[i] for seed, _ in groups])
+                    else:
+                        stacked = torch.zeros(self.rank, m + p.shape[1], device=device)
+                    c = torch.tensor([c for _, c in groups] or [0.0], dtype=torch.float32, device=device)
                     a = stacked[:, :m] * c.repeat_interleave(self.rank)[:, None]  # (A diag(c))^T: (G*r, m)
                     b = stacked[:, m:]  # B^T: (G*r, n)
                     rows = max(1, _UPDATE_BLOCK_ELEMENTS // max(1, p.shape[1]))
                     master = self._mat_base[i] if self.exact_restore else None
+                    if self.momentum:
+                        self._velocity_of(self._mat_names[i], p)
                     for start in range(0, m, rows):
                         stop = min(start + rows, m)
                         delta = a[:, start:stop].T @ b  # one matmul, float32
-                        sq += float(torch.dot(delta.view(-1), delta.view(-1)))
+                        delta = self._with_momentum(self._mat_names[i], start * p.shape[1], delta)
+                        sq += float(torch.dot(delta.reshape(-1), delta.reshape(-1)))
                         if master is not None:
                             base = master[start:stop]
                             base.add_(delta)
@@ -313,6 +325,19 @@ class LowRankParameters(MemberState):
                 }
             state.update(vec)
         return state
+
+    def velocity_state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().velocity_state_dict()
+        if self._vectors is not None:
+            state.update(self._vectors.velocity_state_dict())
+        return state
+
+    def load_velocity_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_velocity_state_dict(state)  # checks the names
+        vecs = set(self._vec_names)
+        self._velocity = {n: v for n, v in self._velocity.items() if n not in vecs}
+        if self._vectors is not None:
+            self._vectors.load_velocity_state_dict({n: t for n, t in state.items() if n in vecs})
 
     def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load fp32 master weights saved by :meth:`master_state_dict` and write them into the model."""

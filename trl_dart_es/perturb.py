@@ -74,6 +74,8 @@ class MemberState:
 
     _names: list[str]
     _current: Member | None
+    momentum: float = 0.0
+    _velocity: dict[str, torch.Tensor]
 
     @property
     def names(self) -> list[str]:
@@ -102,6 +104,42 @@ class MemberState:
             yield
         finally:
             self.restore()
+
+    def _init_momentum(self, momentum: float, exact_restore: bool) -> None:
+        if not (isinstance(momentum, int | float) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if momentum and not exact_restore:
+            raise ValueError(
+                "momentum needs exact_restore=True: the running update is kept and applied in fp32"
+            )
+        self.momentum = float(momentum)
+        self._velocity = {}
+
+    def _velocity_of(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The flat fp32 running update of ``param`` (zeros at first). Made before an update's threads start."""
+        if name not in self._velocity:
+            self._velocity[name] = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        return self._velocity[name]
+
+    def _with_momentum(self, name: str, start: int, delta: torch.Tensor) -> torch.Tensor:
+        """What to apply for ``delta``, the ES update of flat elements ``start:`` of parameter ``name``: ``delta``
+        itself, or with momentum its running update ``v <- mu v + (1 - mu) delta``. The (1 - mu) keeps a step
+        whose direction repeats as long as plain ES's, and shrinks one that averages noise."""
+        if not self.momentum:
+            return delta
+        v = self._velocity[name][start : start + delta.numel()].view_as(delta)
+        return v.mul_(self.momentum).add_(delta, alpha=1.0 - self.momentum)
+
+    def velocity_state_dict(self) -> dict[str, torch.Tensor]:
+        """The running updates by parameter name (flat, fp32): empty without momentum or before the first
+        update. A checkpoint carries them so that a resumed run continues the same trajectory."""
+        return {n: v.detach().cpu() for n, v in self._velocity.items()}
+
+    def load_velocity_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        unknown = sorted(set(state) - set(self._names))
+        if unknown:
+            raise ValueError(f"velocity state names {unknown[:3]} are not evolved parameters")
+        self._velocity = {n: t.to(torch.float32).reshape(-1).clone() for n, t in state.items()}
 
     def _update_coefficients(
         self, members: Sequence[Member], z: Sequence[float], lr: float
@@ -135,6 +173,8 @@ class EvolvedParameters(MemberState):
             not draw it again. Costs ``4 * num_parameters`` bytes per distinct seed (antithetic pairs share
             one), i.e. up to ``N * num_parameters * 4`` bytes per step. Results are identical without it.
         noise_type: only ``"gaussian"`` (full rank) for now; the argument leaves room for low-rank noise.
+        momentum: mu in [0, 1): apply the running update ``v <- mu v + (1 - mu) delta`` instead of each step's
+            ES update ``delta`` (0: the reference update). Needs ``exact_restore``.
     """
 
     def __init__(
@@ -145,9 +185,11 @@ class EvolvedParameters(MemberState):
         exact_restore: bool = True,
         cache_noise: bool = True,
         noise_type: str = "gaussian",
+        momentum: float = 0.0,
     ) -> None:
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"sigma must be a positive finite number, got {sigma!r}")
+        self._init_momentum(momentum, exact_restore)
         if noise_type not in NOISE_TYPES:
             raise ValueError(f"noise_type must be one of {NOISE_TYPES}, got {noise_type!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -302,7 +344,8 @@ class EvolvedParameters(MemberState):
 
         The sum is accumulated in fp32 per element (members sharing a seed are combined first). Restores
         first if a member is applied, uses cached noise where available and draws the rest, then clears
-        the cache. Returns the L2 norm of the fp32 update (the delta computed above, over all parameters).
+        the cache. Returns the L2 norm of the fp32 update applied (over all parameters; with momentum, of the
+        running update).
         """
         members, coef = self._update_coefficients(members, z, lr)
         scale = float(lr) / len(members)
@@ -322,11 +365,15 @@ class EvolvedParameters(MemberState):
                     # Reference behaviour: each increment is rounded into the parameter dtype on its own.
                     dst.add_((eps * c).to(dst.dtype))
             if self.exact_restore:
+                acc = self._with_momentum(self._names[t.index], t.start, acc)
                 b = self._base[t.index].view(-1)[t.start : t.stop]
                 b.add_(acc)
                 dst.copy_(b)
             return float(torch.dot(acc, acc))
 
+        if self.momentum:
+            for name, param in zip(self._names, self._params, strict=True):
+                self._velocity_of(name, param)
         try:
             sq = self._run(step)
         finally:

@@ -14,6 +14,8 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
+from .fitness import solved_matrix
+
 
 def reward_func_name(func: Any) -> str:
     if isinstance(func, nn.Module):
@@ -183,7 +185,7 @@ def held_out_metrics(
     metrics = {"reward": float("nan") if empty else float(total.mean())}
     for k, name in enumerate(names):
         metrics[f"rewards/{name}/mean"] = float("nan") if empty else float(np.nanmean(rewards[k]))
-    solved = np.nan_to_num(rewards[primary_reward_index], nan=-np.inf) >= solved_threshold
+    solved = solved_matrix(rewards[None, primary_reward_index], solved_threshold)[0].astype(bool)
     metrics["accuracy"] = float("nan") if empty else float(solved.mean())
     rows = max(1, rewards.shape[1])
     metrics["completions/mean_length"] = tokens / rows

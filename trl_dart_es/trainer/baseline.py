@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..digest import json_digest
 from ..embedded import embedded_cache_dir, is_embedded
 from ..precision import cpu_bf16_flags
@@ -95,7 +97,7 @@ def read_cached(path: Path | None) -> dict[str, float] | None:
     return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
-def write_cached(path: Path | None, metrics: Mapping[str, float]) -> None:
+def write_cached(path: Path | None, metrics: Mapping[str, Any]) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,12 +107,18 @@ def write_cached(path: Path | None, metrics: Mapping[str, float]) -> None:
 
 
 def evaluate_untrained(
-    trainer: DartESTrainer, dataset: Dataset, model_name: str, *, cache_dir: str | Path | None = None
-) -> tuple[dict[str, float], bool]:
+    trainer: DartESTrainer,
+    dataset: Dataset,
+    model_name: str,
+    *,
+    cache_dir: str | Path | None = None,
+    return_solved: bool = False,
+) -> tuple[dict[str, float], bool] | tuple[dict[str, float], np.ndarray, bool]:
     """`trainer.evaluate_dataset(dataset)` before training, read from the cache when it is safe to.
 
-    Returns the metrics and whether they came from the cache. Call it before `train()`: the key describes
-    the untrained model only.
+    Returns the metrics and whether they came from the cache; with `return_solved`, the metrics, the rows'
+    solved flags (`evaluate_dataset(..., return_solved=True)`) and whether they came from the cache. Call it
+    before `train()`: the key describes the untrained model only.
     """
     path = None
     if trainer.accelerator.num_processes == 1:
@@ -118,8 +126,15 @@ def evaluate_untrained(
             model_name, baseline_cache_parts(trainer, dataset, model_name), cache_dir=cache_dir
         )
     cached = read_cached(path)
-    if cached is not None:
-        return cached, True
-    metrics = trainer.evaluate_dataset(dataset)
-    write_cached(path, metrics)
-    return metrics, False
+    # The rows' flags ride in the same file, as one '0'/'1' string; a file written before they were stored is
+    # a miss only for a caller that needs them.
+    flags = cached.pop(_SOLVED_KEY, None) if cached is not None else None
+    if cached is not None and (flags is not None or not return_solved):
+        solved = np.array([c == "1" for c in flags or ""], dtype=bool)
+        return (cached, solved, True) if return_solved else (cached, True)
+    metrics, solved = trainer.evaluate_dataset(dataset, return_solved=True)
+    write_cached(path, {**metrics, _SOLVED_KEY: "".join("1" if x else "0" for x in solved)})
+    return (metrics, solved, False) if return_solved else (metrics, False)
+
+
+_SOLVED_KEY = "solved_rows"

@@ -259,9 +259,10 @@ def _tensorboard_writer(trainer):
 def log_completions(trainer, table: dict[str, list[Any]]) -> None:
     """Report one step's completions table as GRPO does, on the calling (main) process.
 
-    A rich sample of `num_completions_to_print` rows on the console, `output_dir/completions/completions_<step>.parquet`
-    with every row, and a `completions` table to wandb and trackio when they are in `report_to`. TensorBoard has no
-    table type: it gets the rows as a Markdown text summary named `completions`.
+    A rich sample of `num_completions_to_print` rows on the console (at steps that are multiples of
+    `completions_print_steps`, when set), `output_dir/completions/completions_<step>.parquet` with every row, and a
+    `completions` table to wandb and trackio when they are in `report_to`. TensorBoard has no table type: it gets
+    the rows as a Markdown text summary named `completions`.
     """
     import pandas as pd
     from transformers.utils import is_rich_available
@@ -270,7 +271,8 @@ def log_completions(trainer, table: dict[str, list[Any]]) -> None:
     step = trainer.state.global_step
     reward_names = list(trainer.reward_func_names)
     n_rows = len(table["step"])
-    if is_rich_available() and args.num_completions_to_print != 0:
+    every = args.completions_print_steps
+    if is_rich_available() and args.num_completions_to_print != 0 and (every is None or step % every == 0):
         from trl.trainer.utils import print_prompt_completions_sample
 
         # The sample is drawn here, from a generator of its own: TRL's helper would draw from Python's global
@@ -283,10 +285,8 @@ def log_completions(trainer, table: dict[str, list[Any]]) -> None:
             {name: [table[name][i] for i in rows] for name in reward_names},
             [table["advantage"][i] for i in rows],
             step,
-            extra={
-                "member": [table["member"][i] for i in rows],
-                "member_seed": [table["member_seed"][i] for i in rows],
-            },
+            # The member's seed (19 digits) stays in the files: on an 80-column console it squeezes the text.
+            extra={"member": [table["member"][i] for i in rows]},
         )
 
     df = pd.DataFrame(table)

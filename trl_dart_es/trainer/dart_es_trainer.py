@@ -27,6 +27,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from ..distributed import check_distributed_setup, gather_object_with_timeout
 from ..embedded import resolve_model_path
+from ..fitness import solved_matrix
 from ..perturb import EvolvedParameters
 from ..rollout import build as build_rollout
 from ..rollout.base import check_population
@@ -54,6 +55,7 @@ logger = logging.get_logger(__name__)
 
 DART_STATE_NAME = "dart_es_state.json"
 MASTER_WEIGHTS_NAME = "dart_es_master.safetensors"
+VELOCITY_NAME = "dart_es_velocity.safetensors"  # the running update, with `momentum`
 ID_COLUMN = "id"
 
 
@@ -61,6 +63,14 @@ def _disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def strided_to_dataset_order(values: np.ndarray, world: int) -> np.ndarray:
+    """`values` of a dataset's rows gathered rank by rank, rank r holding rows r, r + world, ...: in row order."""
+    order = np.concatenate([np.arange(r, len(values), world) for r in range(world)]).astype(int)
+    out = np.empty_like(values)
+    out[order] = values
+    return out
 
 
 class DartESTrainer(_BaseTrainer):
@@ -265,10 +275,15 @@ class DartESTrainer(_BaseTrainer):
                 exact_restore=args.exact_restore,
                 cache_noise=self._use_noise_cache(),
                 names=names,
+                momentum=args.momentum,
             )
         else:
             self.es_params = EvolvedParameters(
-                self.model, args.sigma, exact_restore=args.exact_restore, cache_noise=self._use_noise_cache()
+                self.model,
+                args.sigma,
+                exact_restore=args.exact_restore,
+                cache_noise=self._use_noise_cache(),
+                momentum=args.momentum,
             )
         self.rollout = build_rollout(self)
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -537,8 +552,14 @@ class DartESTrainer(_BaseTrainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def evaluate_dataset(self, dataset: Dataset, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Metrics of the unperturbed model on `dataset` (no logging); shards rows across processes."""
+    def evaluate_dataset(
+        self, dataset: Dataset, metric_key_prefix: str = "eval", *, return_solved: bool = False
+    ) -> dict[str, float] | tuple[dict[str, float], np.ndarray]:
+        """Metrics of the unperturbed model on `dataset` (no logging); shards rows across processes.
+
+        With `return_solved`, also a boolean array in `dataset`'s row order: whether each row was solved (its
+        primary reward reached `solved_threshold`), so that two evaluations can be compared row by row.
+        """
         if self.es_params.is_perturbed:
             self.es_params.restore()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
@@ -578,7 +599,12 @@ class DartESTrainer(_BaseTrainer):
             clipped=sum(part[2] for part in parts),
             groups=groups,
         )
-        return {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
+        if not return_solved:
+            return metrics
+        primary = np.concatenate([part[0][self.args.primary_reward_index] for part in parts]) if parts else []
+        solved = solved_matrix(np.reshape(primary, (1, -1)), self.args.solved_threshold)[0].astype(bool)
+        return metrics, strided_to_dataset_order(solved, world)
 
     # --------------------------------------------------------------------------------- checkpoint / resume
     def _save_checkpoint(self, model, trial):
@@ -602,6 +628,8 @@ class DartESTrainer(_BaseTrainer):
             save_file(
                 {k: v.contiguous() for k, v in master.items()}, os.path.join(output_dir, MASTER_WEIGHTS_NAME)
             )
+        if velocity := self.es_params.velocity_state_dict():
+            save_file(velocity, os.path.join(output_dir, VELOCITY_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Before any weight is loaded: a resume under settings that change the trajectory is refused.
@@ -626,6 +654,11 @@ class DartESTrainer(_BaseTrainer):
         with open(path) as f:
             self.strategy.load_state_dict(json.load(f))
         self._es_weights_from(checkpoint)
+        velocity = os.path.join(checkpoint, VELOCITY_NAME)
+        if self.args.momentum and os.path.exists(velocity):
+            self.es_params.load_velocity_state_dict(load_file(velocity))
+        elif self.args.momentum:  # a checkpoint of a run without momentum
+            logger.warning(f"{checkpoint} has no {VELOCITY_NAME}: momentum starts from zero at this resume")
         self._torn = None  # weights and state come from the checkpoint again: a torn update is behind us
 
     def _load_best_model(self) -> None:

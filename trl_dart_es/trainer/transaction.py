@@ -102,6 +102,7 @@ REFUSED_ON_RESUME = (
 )
 WARNED_ON_RESUME = (
     "learning_rate",
+    "momentum",
     "lr_scheduler_type",
     "max_completion_length",
     "temperature",
