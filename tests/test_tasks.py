@@ -359,3 +359,95 @@ def test_recipe_arguments_pick_the_task_version():
     v2 = TaskArguments(dataset_name="embedded:gsm8k", task_version=2, eval_num_examples=40).load_split("test")
     assert len(v2) == 40 and "template" in v2.column_names
     assert "template" not in TaskArguments(dataset_name="embedded:gsm8k").load_split("test").column_names
+
+
+# ------------------------------------------------------------------------------------ local dataset folders
+def write_hub_gsm8k(folder, train: Dataset, test: Dataset, *, readme: bool = False) -> None:
+    """A local copy of `openai/gsm8k` in the Hub's layout: `main/{split}-00000-of-00001.parquet`, plus a
+    `socratic` config of other rows (as on the Hub) that a loader must not read for "main"."""
+    for config, rows in (
+        ("main", {"train": train, "test": test}),
+        ("socratic", {"train": test, "test": train}),
+    ):
+        (folder / config).mkdir(parents=True)
+        for split, ds in rows.items():
+            ds.to_parquet(str(folder / config / f"{split}-00000-of-00001.parquet"))
+    if readme:  # a `huggingface-cli download` snapshot also has the README that declares the configs
+        configs = "".join(
+            f"- config_name: {c}\n  data_files:\n"
+            + "".join(f"  - split: {s}\n    path: {c}/{s}-*\n" for s in ("train", "test"))
+            for c in ("main", "socratic")
+        )
+        (folder / "README.md").write_text(f"---\nconfigs:\n{configs}---\n# gsm8k\n")
+
+
+def hub_gsm8k_rows(split: str, n: int) -> Dataset:
+    """`n` rows shaped like the Hub's GSM8K (`question`, `answer` = worked solution ending in `#### N`)."""
+    rows = make_synthetic_gsm8k(n, split=split)
+    return Dataset.from_dict({"question": rows["question"], "answer": rows["solution"]})
+
+
+@pytest.mark.parametrize("readme", [False, True])
+def test_local_gsm8k_folder_in_the_hubs_layout_loads_as_the_hub_task(tmp_path, readme):
+    from trl_dart_es.tasks.arguments import TaskArguments
+    from trl_dart_es.tasks.gsm8k import PROMPT_STYLES
+
+    train, test = hub_gsm8k_rows("train", 6), hub_gsm8k_rows("test", 3)
+    folder = tmp_path / "gsm8k"
+    write_hub_gsm8k(folder, train, test, readme=readme)
+    for split, raw in (("train", train), ("test", test)):
+        ds = load_task_dataset(str(folder), split)
+        hub = to_trl_format(raw, split=split)  # what load_gsm8k makes of the Hub's rows
+        assert ds["prompt"] == hub["prompt"] and ds["id"] == hub["id"] and ds["answer"] == hub["answer"]
+        assert ds["answer"] == [extract_gsm8k_answer(a) for a in raw["answer"]]
+    args = TaskArguments(  # as quickstart.yaml sets them; task_version (the generator's) does not apply
+        dataset_name=str(folder),
+        dataset_test_split="test",
+        eval_num_examples=2,
+        prompt_style="answer",
+        task_version=2,
+    )
+    held_out = args.load_split("test")
+    assert held_out["question"] == test["question"][:2]  # the first rows of the "main" test split
+    assert held_out["prompt"][0][0]["content"] == PROMPT_STYLES["answer"]
+    assert args.load_reward_funcs(held_out.column_names) == [gsm8k_accuracy_reward, gsm8k_format_reward]
+    # TRL's dataset_config picks another subfolder.
+    socratic = TaskArguments(dataset_name=str(folder), dataset_config="socratic").load_split("train")
+    assert socratic["question"] == test["question"]
+
+
+def test_math_style_folder_gets_a_boxed_prompt_and_trls_accuracy_reward(tmp_path):
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    from trl_dart_es.tasks import MATH_SYSTEM_PROMPT
+    from trl_dart_es.tasks.arguments import TaskArguments
+
+    folder = tmp_path / "math"
+    folder.mkdir()
+    rows = {
+        "problem": ["What is 1/2 + 1/4?", "Solve x + 1 = 3."],
+        "solution": [r"$\boxed{\frac34}$", r"$x = \boxed{2}$"],
+    }
+    Dataset.from_dict(rows).to_json(str(folder / "train.jsonl"))
+    ds = load_task_dataset(str(folder), "train")
+    assert ds["id"] == ["math-train-00000", "math-train-00001"] and ds["solution"] == rows["solution"]
+    assert ds["prompt"][1] == [
+        {"role": "system", "content": MATH_SYSTEM_PROMPT},
+        {"role": "user", "content": "Solve x + 1 = 3."},
+    ]
+    assert "\\boxed{}" in MATH_SYSTEM_PROMPT
+    plain = load_task_dataset(str(folder), "train", conversational=False)["prompt"][0]
+    assert plain.startswith(MATH_SYSTEM_PROMPT) and "What is 1/2 + 1/4?" in plain
+    with pytest.raises(ValueError, match="prompt_style applies to GSM8K"):
+        load_task_dataset(str(folder), "train", prompt_style="answer")
+    # Unset: TRL's accuracy_reward; by name: TRL's rewards as its GRPO script names them.
+    args = TaskArguments(dataset_name=str(folder))
+    assert args.load_reward_funcs(ds.column_names) == [accuracy_reward]
+    args.reward_funcs = ["accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"]
+    funcs = args.load_reward_funcs(ds.column_names, max_completion_length=40)
+    assert funcs[:2] == [accuracy_reward, think_format_reward] and funcs[2].max_completion_len == 40
+    # Columns that say nothing about the task are refused with the columns named.
+    (tmp_path / "odd").mkdir()
+    Dataset.from_dict({"text": ["hi"]}).to_json(str(tmp_path / "odd" / "train.jsonl"))
+    with pytest.raises(ValueError, match=r"\['text'\]"):
+        load_task_dataset(str(tmp_path / "odd"), "train")

@@ -1,6 +1,7 @@
 """Reward functions with TRL's calling convention: `fn(completions, <dataset column>, **kwargs) -> list[float | None]`.
 
-They work unchanged as `reward_funcs` of TRL's `GRPOTrainer` and of `DartESTrainer`.
+They work unchanged as `reward_funcs` of TRL's `GRPOTrainer` and of `DartESTrainer`, as TRL's own `trl.rewards` do
+(`trl_reward_func` builds those by name).
 """
 
 from .arithmetic import Evaluation, ExpressionRejected, evaluate_arithmetic, uses_numbers_exactly_once
@@ -14,8 +15,10 @@ from .gsm8k import (
     gsm8k_step_reward,
     normalize_number,
 )
+from .trl_rewards import TRL_REWARD_NAMES, trl_reward_func
 
 __all__ = [
+    "TRL_REWARD_NAMES",
     "Evaluation",
     "ExpressionRejected",
     "completion_text",
@@ -29,5 +32,6 @@ __all__ = [
     "gsm8k_format_reward",
     "gsm8k_step_reward",
     "normalize_number",
+    "trl_reward_func",
     "uses_numbers_exactly_once",
 ]

@@ -4,13 +4,14 @@
 
 - `"openai/gsm8k"`: the real GSM8K from the Hugging Face Hub (needs network);
 - `"embedded:gsm8k"`: offline GSM8K-style word problems (`make_synthetic_gsm8k`);
-- `"embedded:countdown"`: offline Countdown puzzles (`make_countdown`).
+- `"embedded:countdown"`: offline Countdown puzzles (`make_countdown`);
+- a local folder: GSM8K in the Hub's layout, MATH-style problems or rows in TRL's format (`load_local_dataset`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from .gsm8k import (
     make_synthetic_gsm8k,
     to_trl_format,
 )
+from .local import MATH_SYSTEM_PROMPT, format_math_prompt, load_local_dataset, local_reward_funcs
 
 # Synthetic split sizes when the caller does not pass `num_examples`.
 DEFAULT_NUM_EXAMPLES = {"train": 1000, "validation": 128, "test": 128}
@@ -95,10 +97,11 @@ def get_task(name: str) -> TaskSpec:
         raise ValueError(f"Unknown task {name!r}. Known tasks: {', '.join(sorted(TASKS))}.") from None
 
 
-def task_reward_funcs(dataset_name: str) -> list[Callable]:
-    """The task's reward functions, primary (correctness) first; GSM8K's for a local dataset folder."""
+def task_reward_funcs(dataset_name: str, column_names: Sequence[str] | None = None) -> list[Callable]:
+    """The task's reward functions, primary (correctness) first. For a local dataset folder they follow its
+    columns (`column_names`, `local_reward_funcs`): GSM8K's, or TRL's `accuracy_reward` for MATH-style rows."""
     if os.path.isdir(dataset_name):
-        return [gsm8k_accuracy_reward, gsm8k_format_reward]
+        return local_reward_funcs(column_names)
     return list(get_task(dataset_name).reward_funcs)
 
 
@@ -108,8 +111,10 @@ def load_task_dataset(
     """Load task `name`'s `split` in TRL's format: conversational prompts (default) or plain strings.
 
     Extra keyword arguments go to the task's loader (e.g. `num_examples`, `seed`, `levels` for the
-    synthetic tasks; `load_dataset` options for the hub task).
+    synthetic tasks; `load_dataset` options for the hub task). A local folder loads with `load_local_dataset`.
     """
+    if os.path.isdir(name):  # as in `datasets.load_dataset`, a local folder wins over a hub id of that name
+        return load_local_dataset(name, split, conversational=conversational, **kwargs)
     return get_task(name).load(split, conversational=conversational, **kwargs)
 
 
@@ -118,13 +123,17 @@ __all__ = [
     "DEFAULT_NUM_EXAMPLES",
     "GSM8K_HUB_ID",
     "GSM8K_SYSTEM_PROMPT",
+    "MATH_SYSTEM_PROMPT",
     "TASKS",
     "TaskSpec",
     "extract_gsm8k_answer",
     "format_countdown_prompt",
     "format_gsm8k_prompt",
+    "format_math_prompt",
     "get_task",
     "load_gsm8k",
+    "load_local_dataset",
+    "local_reward_funcs",
     "load_task_dataset",
     "make_countdown",
     "make_synthetic_gsm8k",
