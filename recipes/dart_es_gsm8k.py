@@ -16,6 +16,7 @@ import sys
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dart_es import DartESConfig, DartESTrainer
+from trl_dart_es.benchmark.stats import paired_t_interval
 from trl_dart_es.tasks.arguments import TaskArguments
 from trl_dart_es.trainer.baseline import evaluate_untrained
 from trl_dart_es.training_curve import plot_training_curve
@@ -74,13 +75,16 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
     )
 
     # Held-out metrics of the unperturbed model, before (cached for the embedded model) and after training.
+    # Row by row too (`solved`), for the gain's paired interval.
     resuming = training_args.resume_from_checkpoint
     if resuming:
-        before, cached = trainer.evaluate_dataset(eval_dataset), False
+        (before, solved_before), cached = trainer.evaluate_dataset(eval_dataset, return_solved=True), False
     else:
-        before, cached = evaluate_untrained(trainer, eval_dataset, model_args.model_name_or_path)
+        before, solved_before, cached = evaluate_untrained(
+            trainer, eval_dataset, model_args.model_name_or_path, return_solved=True
+        )
     trainer.train(resume_from_checkpoint=resuming)
-    after = trainer.evaluate_dataset(eval_dataset)
+    after, solved_after = trainer.evaluate_dataset(eval_dataset, return_solved=True)
 
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: log_history, the metrics every tracker received
@@ -101,9 +105,12 @@ def main(script_args: TaskArguments, training_args: DartESConfig, model_args: Mo
         print(f"{'held-out metric':<{width}} {'before':>8} {'after':>8}")
         for key in [k for k in before if k in after]:
             print(f"{key:<{width}} {before[key]:>8.3f} {after[key]:>8.3f}")
-        gain = 100 * (after["eval_accuracy"] - before["eval_accuracy"])
+        # The same prompts before and after: a t-interval of the per-prompt differences (-1, 0 or +1).
+        gain, low, high = (100 * x for x in paired_t_interval(solved_after.astype(float) - solved_before))
         print(
-            f"\nAccuracy {100 * before['eval_accuracy']:.1f}% -> {100 * after['eval_accuracy']:.1f}% ({gain:+.1f} points)"
+            f"\nAccuracy {100 * before['eval_accuracy']:.1f}% -> {100 * after['eval_accuracy']:.1f}%: "
+            f"{gain:+.1f} points, 95% interval [{low:+.1f}, {high:+.1f}] paired over the {len(eval_dataset)} prompts"
+            + (" (includes 0: not distinguishable from noise)" if low <= 0 <= high else "")
         )
         print(f"Model saved to {training_args.output_dir}")
         report_where(trainer, curve)

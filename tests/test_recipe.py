@@ -2,9 +2,12 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +61,16 @@ def test_recipe_trains_evaluates_and_saves(tmp_path, tiny_lm, tokenizer):
     assert "held-out metric" in proc.stdout and "eval_accuracy" in proc.stdout
     assert "Held-out: 24 prompts" in proc.stdout
     assert "eval_rewards/gsm8k_step_reward/mean" in proc.stdout
+    # The gain with its interval, paired over the same prompts; the same gain as the table's accuracies.
+    (row,) = re.findall(r"^eval_accuracy +([0-9.]+) +([0-9.]+)$", proc.stdout, flags=re.M)
+    line = re.search(
+        r"Accuracy [0-9.]+% -> [0-9.]+%: ([+-][0-9.]+) points, 95% interval \[([+-][0-9.]+), ([+-][0-9.]+)\] "
+        r"paired over the 24 prompts",
+        proc.stdout,
+    )
+    assert line, proc.stdout[-2000:]
+    gain, low, high = map(float, line.groups())
+    assert gain == pytest.approx(100 * (float(row[1]) - float(row[0])), abs=0.1) and low <= gain <= high
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
     assert "dart-es" in (out / "README.md").read_text()
     # The demo's picture and logs, and the printed pointers to them.
