@@ -7,8 +7,12 @@ expected number of processes and that every process ends with the same weights a
     python tests/scripts/dist_train.py --tokenizer DIR --out DIR
     accelerate launch --multi_gpu --num_processes 2 tests/scripts/dist_train.py --tokenizer DIR --out DIR
 
-`--fail-rank R --fail-step S --fail-mode exit|hang` makes rank R die (`os._exit(0)`, no traceback and a
-"successful" exit code, the worst case for a launcher) or hang inside its reward function at step S.
+`--fail-rank R --fail-step S --fail-mode exit|hang|kill` makes rank R die (`os._exit(0)`, no traceback and a
+"successful" exit code, the worst case for a launcher), hang, or wait to be killed inside its reward function at
+step S. `kill` writes the process's pid to `<out>/kill_rank<R>.pid` first: the test then SIGKILLs it from outside,
+as the kernel or an operator would. `save-exit` makes rank R die as it starts to save the checkpoint of step S.
+
+`--save-steps K` writes a checkpoint every K steps, `--resume DIR` resumes from a checkpoint.
 """
 
 import argparse
@@ -46,7 +50,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu=False (mis-launch on CPU)")
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-step", type=int, default=2)
-    p.add_argument("--fail-mode", choices=["exit", "hang"], default="exit")
+    p.add_argument("--fail-mode", choices=["exit", "hang", "kill", "save-exit"], default="exit")
+    p.add_argument("--save-steps", type=int, default=None, help="a checkpoint every K steps (default: none)")
+    p.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    p.add_argument("--report-to", default="none")
     p.add_argument(
         "--vllm-lowrank",
         action="store_true",
@@ -77,12 +84,18 @@ def main() -> None:
         """Primary 0/1 reward: solved when the first generated token id is even."""
         if (
             cli.fail_rank == rank
+            and cli.fail_mode != "save-exit"
             and trainer_state is not None
             and trainer_state.global_step + 1 == cli.fail_step
         ):
             print(f"[rank {rank}] failing ({cli.fail_mode}) at step {cli.fail_step}", flush=True)
             if cli.fail_mode == "exit":
                 os._exit(0)
+            if cli.fail_mode == "kill":  # tell the test whom to kill, atomically (it polls for the file)
+                pid_file = Path(cli.out) / f"kill_rank{rank}.pid"
+                pid_file.parent.mkdir(parents=True, exist_ok=True)
+                pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+                pid_file.with_suffix(".tmp").rename(pid_file)
             time.sleep(3600)
         return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
 
@@ -99,11 +112,17 @@ def main() -> None:
         max_steps=cli.steps,
         use_cpu=not cli.no_use_cpu,  # without it Accelerate on a GPU-less machine sees one process per rank
         ddp_timeout=cli.ddp_timeout,
-        report_to="none",
+        report_to=cli.report_to,
         seed=0,
         disable_tqdm=True,
         logging_steps=1,
         log_completions=cli.log_completions,
+        num_completions_to_print=0,
+        **(
+            dict(save_strategy="steps", save_steps=cli.save_steps)
+            if cli.save_steps
+            else dict(save_strategy="no")
+        ),
         **(
             dict(population_layout="grouped", members_per_group=cli.members_per_group)
             if cli.members_per_group
@@ -140,9 +159,20 @@ def main() -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.metrics.append(dict(logs or {}))
 
+    if cli.fail_mode == "save-exit" and cli.fail_rank == rank:
+        save_checkpoint = trainer._save_checkpoint
+
+        def save_or_die(*args, **kwargs):
+            if trainer.state.global_step == cli.fail_step:
+                print(f"[rank {rank}] failing (save-exit) at the save of step {cli.fail_step}", flush=True)
+                os._exit(0)
+            return save_checkpoint(*args, **kwargs)
+
+        trainer._save_checkpoint = save_or_die
+
     record = Record()
     trainer.add_callback(record)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=cli.resume)
 
     out = Path(cli.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,6 +183,10 @@ def main() -> None:
         "world_size": world,
         "torch_world_size": torch_world,
         "local_members": trainer._local_members(cli.population),
+        "local_rank": acc.local_process_index,
+        "machine_rank": int(os.environ.get("GROUP_RANK", 0)),
+        "is_main_process": acc.is_main_process,
+        "is_local_main_process": acc.is_local_main_process,
         "global_step": trainer.state.global_step,
         "model_wrapped": type(trainer.model_wrapped).__name__,
         "rollout": type(trainer.rollout).__name__,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import textwrap
 import time
 from collections import defaultdict
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_peft_available, logging
 from trl.trainer.base_trainer import _BaseTrainer
 
@@ -610,8 +612,40 @@ class DartESTrainer(_BaseTrainer):
     def _save_checkpoint(self, model, trial):
         if self.es_params.is_perturbed:  # never write a checkpoint from perturbed weights
             self.es_params.restore()
-        self.create_model_card(model_name=os.path.basename(os.path.normpath(self.args.output_dir)))
-        super()._save_checkpoint(model, trial)
+        # Before anything is written: a peer lost here leaves no partial checkpoint behind.
+        self._rng_files = self._gather_rng_files(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        try:
+            self.create_model_card(model_name=os.path.basename(os.path.normpath(self.args.output_dir)))
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._rng_files = None
+
+    def _gather_rng_files(self, checkpoint: str) -> list[tuple[str, bytes]] | None:
+        """Every rank's `rng_state_<rank>.pth` (name, bytes), on every rank; None with one process.
+
+        Trainer writes that file from every process. On machines without shared storage, machine 0's checkpoint
+        would then lack the other ranks' states, and the other machines would grow one-file `checkpoint-*`
+        folders. Instead the files (a few KB each) travel to the process that saves, which writes them all."""
+        if self.args.world_size <= 1:
+            return None
+        name = f"rng_state_{self.args.process_index}.pth"
+        with tempfile.TemporaryDirectory() as tmp:
+            super()._save_rng_state(tmp)  # Trainer's own file, so a resume reads it as it always does
+            with open(os.path.join(tmp, name), "rb") as f:
+                data = f.read()
+        return gather_object_with_timeout(
+            (name, data), timeout=self.args.ddp_timeout, what=f"DART-ES {checkpoint} (RNG states)"
+        )
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        files = getattr(self, "_rng_files", None)
+        if files is None:  # one process
+            super()._save_rng_state(output_dir)
+        elif self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            for name, data in files:
+                with open(os.path.join(output_dir, name), "wb") as f:
+                    f.write(data)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
