@@ -106,7 +106,12 @@ class LowRankParameters(MemberState):
                 raise ValueError(f"names {unknown[:5]} are not trainable parameters of the model")
             named = [(n, p) for n, p in named if n in wanted]
             if not named:
-                raise ValueError("names selects no parameter to evolve")
+                # lora_carried_names() is empty for a model without nn.Linear layers (GPT-2's are Conv1D).
+                raise ValueError(
+                    f"{type(model).__name__}: names selects no parameter to evolve (lowrank_targets='lora', "
+                    "the default with use_vllm=True, evolves the weights of nn.Linear layers; this model may have "
+                    "none). perturbation='full' runs it on either backend"
+                )
         for name, param in named:
             if not param.is_floating_point():
                 raise ValueError(f"parameter {name!r} has non-floating dtype {param.dtype}")
@@ -373,10 +378,12 @@ class LowRankParameters(MemberState):
             {f"{type(m).__name__}.{attr}" for m, attr, _ in self._owners() if _kind(m, attr) is None}
         )
         if bad:
+            # Named by architecture: this is what a user of an unsupported model sees at trainer set-up.
             raise NotImplementedError(
-                f"low-rank population batching cannot hook these modules' trainable parameters: {bad}. "
-                "Supported: nn.Linear, nn.Embedding, nn.LayerNorm and *RMSNorm modules; use perturbation='full' "
-                "or freeze those parameters"
+                f"{type(self.model).__name__}: low-rank population batching on the transformers backend cannot "
+                f"hook these modules' trainable parameters: {bad}. Supported: nn.Linear, nn.Embedding (and Gemma's "
+                "scaled embedding), nn.LayerNorm and *RMSNorm modules. perturbation='full' runs this architecture "
+                "(on transformers, and on vLLM where vLLM supports it); or freeze those parameters"
             )
 
     @contextlib.contextmanager
@@ -481,10 +488,23 @@ def _is(module: nn.Module, cls: type) -> bool:
     return isinstance(module, cls) and type(module).forward is cls.forward
 
 
+def _is_scaled_embedding(module: nn.Module) -> bool:
+    """Gemma's ``*ScaledWordEmbedding``: ``nn.Embedding`` whose forward is ``embedding(ids) * embed_scale``."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).__name__.endswith("ScaledWordEmbedding")
+        and isinstance(getattr(module, "embed_scale", None), torch.Tensor)
+        and module.embed_scale.numel() == 1
+    )
+
+
 def _kind(module: nn.Module, attr: str) -> str | None:
     if _is(module, nn.Linear) and attr in ("weight", "bias"):
         return f"linear.{attr}"
     if _is(module, nn.Embedding) and attr == "weight":
+        return "embedding.weight"
+    if _is_scaled_embedding(module) and attr == "weight":
+        # (E + D)[ids] * s = E[ids] * s + D[ids] * s: the hook adds the member's rows times the same scale.
         return "embedding.weight"
     if _is(module, nn.LayerNorm) and attr in ("weight", "bias") and len(module.normalized_shape) == 1:
         return f"layernorm.{attr}"
@@ -565,7 +585,10 @@ def _install(module, attr, name, kind, prep: _Prepared, swapped: list) -> list:
             ids = ids.reshape(g, -1)
             rows = torch.arange(g, device=ids.device)[:, None]
             a_sel = a_t.transpose(1, 2)[rows, ids]  # (G, L, r): c * A[tok]
-            out.view(g, -1, out.shape[-1]).baddbmm_(a_sel.to(out.dtype), b.transpose(1, 2).to(out.dtype))
+            b_t = b.transpose(1, 2).to(out.dtype)
+            if _is_scaled_embedding(mod):  # the module scales its output: scale the member's rows alike
+                b_t = b_t * mod.embed_scale.to(mod.weight.dtype).to(out.dtype)
+            out.view(g, -1, out.shape[-1]).baddbmm_(a_sel.to(out.dtype), b_t)
             return out
 
     elif kind.startswith("layernorm."):

@@ -21,8 +21,10 @@ def build(trainer: Any, generation_config: GenerationConfig | None = None) -> Po
     ``generation_config`` defaults to the one the config describes (:func:`~.transformers.build_generation_config`).
     With vLLM it starts (or reuses) this process's engine.
     """
-    from .transformers import TransformersRollout, build_generation_config
+    from .transformers import TransformersRollout, build_generation_config, use_attention_that_soft_caps
 
+    # Every backend must evaluate the model its config describes (Gemma 2's capped attention, not SDPA's).
+    use_attention_that_soft_caps(trainer.model)
     args = trainer.args
     if generation_config is None:
         generation_config = build_generation_config(args, trainer.processing_class, trainer.eos_token_ids)

