@@ -523,6 +523,14 @@ class DartESTrainer(_BaseTrainer):
         m["time/es"].append(es_time)
         m["tokens_per_s"].append(tokens / gen_time if gen_time > 0 else 0.0)
 
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args, **kwargs) -> None:
+        # Every process holds the same loss, and Trainer logs the mean of their copies. In float32, summing more
+        # than two copies can round the last bit, so 8 processes would log a loss 1 ulp from one process's. In
+        # float64 the sum of P copies of a float32 value is exact, and so is its mean: the log does not depend on P.
+        exact = tr_loss.double()
+        super()._maybe_log_save_evaluate(exact, *args, **kwargs)
+        tr_loss.copy_(exact)  # Trainer resets the accumulated loss in place when it logs
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         training = not any(k.startswith("eval_") for k in logs)
         if training:
