@@ -474,7 +474,9 @@ class DartESTrainer(_BaseTrainer):
         step = self.state.global_step + 1
         batch, members = self.strategy.ask()  # the pending step: asking again returns the same
         fingerprint = (tuple(batch.ids), tuple((m.seed, m.sign) for m in members))
-        rows = [(n_, local_rewards[:, i], local_tokens[i]) for i, n_ in enumerate(local)]
+        # One K x L x B array for this process's L members, not one per member: pickle frames each array (~100 B),
+        # which at small B would outweigh the rewards themselves.
+        rows = (list(local), np.ascontiguousarray(local_rewards), [int(t) for t in local_tokens])
         parts = gather_object_with_timeout(
             (fingerprint, rows), timeout=self.args.ddp_timeout, what=f"DART-ES step {step} (reward gather)"
         )
@@ -489,10 +491,11 @@ class DartESTrainer(_BaseTrainer):
                     f"{self.accelerator.process_index}. Every process must run the same code, config (seed) and "
                     "train data in the same order."
                 )
-            for n_, r, t in their_rows:
-                rewards[:, n_] = r
-                tokens += t
-                seen.append(n_)
+            their_members, their_rewards, their_tokens = their_rows
+            if their_members:
+                rewards[:, their_members] = their_rewards
+            tokens += sum(their_tokens)
+            seen.extend(their_members)
         if sorted(seen) != list(range(n)):
             raise RuntimeError(
                 f"DART-ES step {step}: gathered members {sorted(seen)}, expected 0..{n - 1} once each"
