@@ -11,17 +11,19 @@ from trl_dart_es.trainer.baseline import baseline_cache_key, evaluate_untrained
 EMBEDDED = "embedded:smollm2-135m"
 
 
-def _trainer(tmp_path):
+@pytest.fixture(scope="module")
+def trainer_and_data(tmp_path_factory):
+    """One trainer on the embedded model for the module: loading it is most of each test's time."""
     data = load_task_dataset("embedded:gsm8k", "test", num_examples=4)
-    args = tiny_es_config(tmp_path / "out", max_completion_length=4, per_device_eval_batch_size=4)
-    trainer = DartESTrainer("embedded:smollm2-135m", [gsm8k_accuracy_reward, gsm8k_format_reward], args, data)
+    out = tmp_path_factory.mktemp("baseline") / "out"
+    args = tiny_es_config(out, max_completion_length=4, per_device_eval_batch_size=4)
+    trainer = DartESTrainer(EMBEDDED, [gsm8k_accuracy_reward, gsm8k_format_reward], args, data)
     return trainer, data
 
 
-def test_untrained_metrics_are_cached_by_everything_that_changes_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_untrained_metrics_are_cached_by_everything_that_changes_them(tmp_path, trainer_and_data):
     cache = tmp_path / "cache"
-    trainer, data = _trainer(tmp_path)
+    trainer, data = trainer_and_data
     first, cached = evaluate_untrained(trainer, data, "embedded:smollm2-135m", cache_dir=cache)
     assert not cached and len(list(cache.glob("*.json"))) == 1
     again, cached = evaluate_untrained(trainer, data, "embedded:smollm2-135m", cache_dir=cache)
@@ -44,14 +46,13 @@ def test_untrained_metrics_are_cached_by_everything_that_changes_them(tmp_path, 
     assert not cached and len(list(cache.glob("*.json"))) == 2
 
 
-def test_untrained_solved_rows_are_cached_with_the_metrics(tmp_path, monkeypatch):
+def test_untrained_solved_rows_are_cached_with_the_metrics(tmp_path, trainer_and_data):
     """The recipe's paired interval needs the untrained model's per-row flags: cached with the metrics, and a
     file written without them (an older cache) is evaluated anew for a caller that needs them."""
     import json
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache = tmp_path / "cache"
-    trainer, data = _trainer(tmp_path)
+    trainer, data = trainer_and_data
     metrics, solved, cached = evaluate_untrained(trainer, data, EMBEDDED, cache_dir=cache, return_solved=True)
     assert (
         not cached
