@@ -100,7 +100,7 @@ def _as_measured(config: dict) -> dict:
 
 def test_the_demo_config_is_the_study_variant_it_names():
     """quickstart.yaml (the demo) is the v1 demo with v2-n16b8-lr2's overrides, `auto` generation precision (bf16
-    where the study measured it) and the first 256 of the study's 512 held-out prompts, so the study's five seeds
+    where the study measured it) and the study's 512 held-out prompts, so the study's five seeds
     are its measurements; its settings reach the recipe's parser."""
     from trl import ModelConfig, TrlParser
 
@@ -115,7 +115,7 @@ def test_the_demo_config_is_the_study_variant_it_names():
     variant = {k: v for k, v in study.presets()["v2-n16b8-lr2"].items() if k != "eval_every"}
     assert demo["generation_dtype"] == "auto"
     assert {k: _as_measured(demo).get(k) for k in variant} == variant
-    assert demo["eval_num_examples"] == 256
+    assert demo["eval_num_examples"] == 512
     where = {"output_dir", "project", "eval_num_examples", "completions_print_steps"}  # console only
     assert {k: v for k, v in demo.items() if k not in {*variant, *where}} == {
         k: v for k, v in v1.items() if k not in {*variant, *where}
@@ -123,7 +123,7 @@ def test_the_demo_config_is_the_study_variant_it_names():
     task, args, _ = TrlParser((TaskArguments, DartESConfig, ModelConfig)).parse_args_and_config(
         ["--config", str(configs / "quickstart.yaml"), "--output_dir", "unused"]
     )
-    assert task.task_version == 2 and task.eval_num_examples == 256
+    assert task.task_version == 2 and task.eval_num_examples == 512
     assert (args.population_size, args.per_device_train_batch_size, args.learning_rate) == (16, 8, 0.002)
     # `auto` is the study's bf16 on a CPU with bf16 units, and fp32 on one without.
     for flags, dtype in (("avx512f amx_bf16", torch.bfloat16), ("avx2", torch.float32)):
