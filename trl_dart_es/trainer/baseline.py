@@ -106,6 +106,10 @@ def write_cached(path: Path | None, metrics: Mapping[str, Any]) -> None:
     tmp.replace(path)  # atomic: a reader sees a whole file or none
 
 
+# The rows' solved flags ride in the cached metrics file under this key (see `evaluate_untrained`).
+_SOLVED_KEY = "solved_rows"
+
+
 def evaluate_untrained(
     trainer: DartESTrainer,
     dataset: Dataset,
@@ -135,6 +139,3 @@ def evaluate_untrained(
     metrics, solved = trainer.evaluate_dataset(dataset, return_solved=True)
     write_cached(path, {**metrics, _SOLVED_KEY: "".join("1" if x else "0" for x in solved)})
     return (metrics, solved, False) if return_solved else (metrics, False)
-
-
-_SOLVED_KEY = "solved_rows"
