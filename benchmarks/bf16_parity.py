@@ -28,18 +28,10 @@ from trl_dart_es.tasks import load_task_dataset
 def evaluate(generation_dtype: str | None, test, batch: int) -> dict:
     """Per-prompt correctness and tokens/s of the untrained model on the demo's settings."""
     args = DartESConfig(
-        output_dir="/tmp/bf16_parity",
-        population_size=4,
-        antithetic=True,
-        per_device_train_batch_size=32,
-        max_completion_length=64,
-        perturbation="lowrank",
-        use_vllm=True,
-        vllm_cpu_kvcache_space=1,
-        generation_dtype=generation_dtype,
-        use_cpu=True,
-        report_to="none",
-    )
+        output_dir="/tmp/bf16_parity", population_size=4, antithetic=True, per_device_train_batch_size=32,
+        max_completion_length=64, perturbation="lowrank", use_vllm=True, vllm_cpu_kvcache_space=1,
+        generation_dtype=generation_dtype, use_cpu=True, report_to="none",
+    )  # fmt: skip
     trainer = DartESTrainer(
         model="embedded:smollm2-135m",
         reward_funcs=[gsm8k_accuracy_reward, gsm8k_format_reward],

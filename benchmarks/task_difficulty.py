@@ -15,7 +15,6 @@ column (Countdown) are reported as one level, 0.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from trl_dart_es.benchmark.machine import utc_now  # noqa: E402
 from trl_dart_es.embedded import load_model, load_tokenizer  # noqa: E402
 from trl_dart_es.tasks import get_task, load_task_dataset  # noqa: E402
 
@@ -108,19 +108,12 @@ def main() -> None:
                 param.data.copy_(originals[name])
         accuracy = accuracy_reward(completions, **columns)
         fmt = format_reward(completions, **columns)
-        runs.append(
-            {
-                "member": member,
-                "accuracy": sum(accuracy) / len(accuracy),
-                "accuracy_per_level": per_level(levels, accuracy),
-                "format_per_level": per_level(levels, fmt),
-                "full_format_rate": sum(f == 1.0 for f in fmt) / len(fmt),
-                "seconds": round(seconds, 1),
-                "generated_tokens": n_tokens,
-                "correct": accuracy,
-                "completions": completions,
-            }
-        )
+        runs.append({
+            "member": member, "accuracy": sum(accuracy) / len(accuracy),
+            "accuracy_per_level": per_level(levels, accuracy), "format_per_level": per_level(levels, fmt),
+            "full_format_rate": sum(f == 1.0 for f in fmt) / len(fmt), "seconds": round(seconds, 1),
+            "generated_tokens": n_tokens, "correct": accuracy, "completions": completions,
+        })  # fmt: skip
         print(
             f"member {member}: accuracy {runs[-1]['accuracy']:.3f} per level "
             f"{ {k: round(v, 3) for k, v in runs[-1]['accuracy_per_level'].items()} } "
@@ -138,7 +131,7 @@ def main() -> None:
 
     result = {
         "command": "python benchmarks/task_difficulty.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "no_write" and v is not None),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, load average at start {load_avg[0]:.1f}",
         "settings": {k: v for k, v in vars(args).items() if k != "no_write"},

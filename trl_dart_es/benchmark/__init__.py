@@ -1,27 +1,12 @@
 """The benchmark harness: one method registry, one workload and one evaluation for time, memory and accuracy.
 
-    python -m trl_dart_es.benchmark                          # side by side: time/step, peak memory, tokens/s,
-                                                             # accuracy before/after (about 20 min on 2 CPU cores)
-    python -m trl_dart_es.benchmark --full                   # more steps and evaluation prompts
-    python -m trl_dart_es.benchmark --curves                 # held-out accuracy against training time, 3 seeds
+    python -m trl_dart_es.benchmark                  # side by side: time/step, peak memory, tokens/s, accuracy
+    python -m trl_dart_es.benchmark --full           # more steps and evaluation prompts
+    python -m trl_dart_es.benchmark --curves         # held-out accuracy against training time, 3 seeds
+    python -m trl_dart_es.benchmark --curves --preset demo --seeds 0   # the learning study's presets
 
-Modules:
-- `methods`: the registry (`METHODS`: which trainer, which recipe config, which overrides make each method);
-- `workload`: what every method is given (`Workload`: model, data, rollouts per step, completion length,
-  held-out set), and the task's data and rewards;
-- `trainers`: the trainers built from a method's recipe config plus the workload;
-- `evaluation`: `evaluate_greedy`, the held-out evaluation every method and mode uses;
-- `clock`: `StepClock`, the one step timer (step times, training seconds, the budget's stop);
-- `process`: one child process per run (spawn, memory sampling, stop); `child`: what the child runs;
-- `run`: the side-by-side rows (each method's runner, step times);
-- `report`: latest.{json,md,png} of the side-by-side benchmark;
-- `curves`: `--curves`, accuracy against a training-time budget (`run_curve`) and its report;
-- `study`: `--curves --preset`, the learning study's presets (benchmarks/study_presets.yaml) and its report;
-- `stats`: paired t-intervals and the bootstrap, without scipy;
-- `machine`: the machine a measurement ran on; `cli`: the command line.
-
-Only the standard library is imported at module level: the parent process stays small, and every heavy import
-happens in the child that runs a method.
+More examples in `cli`; each module's docstring says what it holds. Only the standard library is imported at
+module level: the parent process stays small, and every heavy import happens in the child that runs a method.
 """
 
 from .cli import _parser, main, workload_from_args
@@ -63,57 +48,15 @@ from .workload import (
 )
 
 __all__ = [
-    "BenchMethod",
-    "CURVES",
-    "CURVE_METHODS",
-    "CurveClock",
-    "DEFAULT_CONFIG_DIR",
-    "DEFAULT_METHODS",
-    "DEFAULT_OUTPUT_DIR",
-    "FULL",
-    "LAUNCH_CONFIG_DIR",
-    "METHODS",
-    "REPO_ROOT",
-    "ROW_KEYS",
-    "RUNNERS",
-    "SHORT",
-    "StepClock",
-    "Workload",
-    "bootstrap_interval",
-    "cpu_model",
-    "curve_capable",
-    "curve_run_path",
-    "curve_settings",
-    "evaluate_greedy",
-    "evaluate_trainer",
-    "evaluate_workload",
-    "finished_run",
-    "held_out_set",
-    "launch_command",
-    "load_curve_runs",
-    "load_split",
-    "machine_description",
-    "main",
-    "merge_rows",
-    "paired_t_interval",
-    "parse_overrides",
-    "parse_recipe_config",
-    "peak_memory",
-    "plot_curves",
-    "plot_results",
-    "render_curves_markdown",
-    "render_markdown",
-    "run_benchmark",
-    "run_curve",
-    "spawn",
-    "summarize_curves",
-    "summarize_run",
-    "t_quantile",
-    "tail",
-    "task_reward_funcs",
-    "workload_from_args",
-    "write_curve_report",
-    "write_reports",
-]
+    "BenchMethod", "CURVES", "CURVE_METHODS", "CurveClock", "DEFAULT_CONFIG_DIR", "DEFAULT_METHODS",
+    "DEFAULT_OUTPUT_DIR", "FULL", "LAUNCH_CONFIG_DIR", "METHODS", "REPO_ROOT", "ROW_KEYS", "RUNNERS", "SHORT",
+    "StepClock", "Workload", "bootstrap_interval", "cpu_model", "curve_capable", "curve_run_path",
+    "curve_settings", "evaluate_greedy", "evaluate_trainer", "evaluate_workload", "finished_run",
+    "held_out_set", "launch_command", "load_curve_runs", "load_split", "machine_description", "main",
+    "merge_rows", "paired_t_interval", "parse_overrides", "parse_recipe_config", "peak_memory", "plot_curves",
+    "plot_results", "render_curves_markdown", "render_markdown", "run_benchmark", "run_curve", "spawn",
+    "summarize_curves", "summarize_run", "t_quantile", "tail", "task_reward_funcs", "workload_from_args",
+    "write_curve_report", "write_reports"
+]  # fmt: skip
 # Private names kept importable for the tests and older callers.
 _PRIVATE = (_add_relative, _installed, _micro_batch, _parser, _row)

@@ -1,8 +1,7 @@
-"""The child process's side: run one method, one curve or the untrained baseline, and write the result file.
-
-`python -m trl_dart_es.benchmark --child <spec>` lands in `child_main`, started by `process.spawn`. Under
-`accelerate launch` (a multi-process row) every process runs it; only rank 0 reports progress and writes the
-result, which carries every process's peak memory (`ranks`).
+"""The child process's side (`python -m trl_dart_es.benchmark --child <spec>`, started by `process.spawn`): run
+one method, one curve or the untrained baseline, and write the result file. Under `accelerate launch` (a
+multi-process row) every process runs it; only rank 0 reports progress and writes the result, which carries
+every process's peak memory (`ranks`).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from .curves import curve_child
 from .evaluation import evaluate_trainer
@@ -22,8 +20,6 @@ from .methods import METHODS
 from .run import RUNNERS, _baseline
 from .trainers import _use_cuda, _world_size
 from .workload import Workload
-
-__all__ = ["child_main"]
 
 
 def _peak_memory_mb() -> dict[str, float]:
@@ -42,33 +38,17 @@ def _peak_memory_mb() -> dict[str, float]:
     return out
 
 
-def _gather_ranks(value: dict) -> list[dict]:
-    """`value` from every process of a launched child (a list of one when the child runs alone)."""
-    if _world_size() == 1:
-        return [value]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def child_main(spec_path: str) -> int:
-    """Entry point of the subprocess that runs one method (or the baseline evaluation) and writes its result.
-
-    Under `accelerate launch` (a `launch` row) every process runs this; only rank 0 reports progress and writes
-    the result, which carries every process's peak memory (`ranks`).
-    """
+    """Run the child of `spec_path` (a method, a curve or the baseline evaluation); write its result."""
     spec = json.loads(Path(spec_path).read_text())
     workload = Workload(**spec["workload"])
     progress_path = Path(spec["progress_path"])
     rank = int(os.environ.get("RANK", "0"))
 
     def progress(text: str) -> None:
-        if rank != 0:
-            return
-        with contextlib.suppress(OSError):
-            progress_path.write_text(text)
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                progress_path.write_text(text)
 
     started = time.perf_counter()
     if spec.get("mode") == "curve":
@@ -84,8 +64,11 @@ def child_main(spec_path: str) -> int:
             result["eval"] = evaluate_trainer(trainer, workload)
     result.pop("reward_weights", None)
     result.update(_peak_memory_mb())
-    if _world_size() > 1:
-        result["ranks"] = _gather_ranks(_peak_memory_mb())
+    if _world_size() > 1:  # every process's peak memory
+        import torch.distributed as dist
+
+        result["ranks"] = [None] * dist.get_world_size()
+        dist.all_gather_object(result["ranks"], _peak_memory_mb())
         result["processes"] = len(result["ranks"])
         if rank != 0:
             return 0

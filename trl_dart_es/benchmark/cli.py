@@ -47,20 +47,17 @@ def _parser() -> argparse.ArgumentParser:
         description="DART-ES vs ES vs GRPO vs GRPO+LoRA: time per step, peak memory, tokens/s, held-out accuracy; "
         "with --curves, held-out accuracy against training time.",
     )
-    p.add_argument("--methods", default=None,
+    p.add_argument("--methods",
                    help=f"comma-separated, from {', '.join(METHODS)} (or 'all'); default: {','.join(DEFAULT_METHODS)} "
                         f"(with --curves: {','.join(CURVE_METHODS)})")  # fmt: skip
-    p.add_argument(
-        "--full", action="store_true", help="the longer workload: more steps, problems and eval prompts"
-    )
-    p.add_argument(
-        "--steps", type=int, help="training steps per method (not with --curves: the budget decides)"
-    )
+    p.add_argument("--full", action="store_true",
+                   help="the longer workload: more steps, problems and eval prompts")  # fmt: skip
+    p.add_argument("--steps", type=int,
+                   help="training steps per method (not with --curves: the budget decides)")  # fmt: skip
     p.add_argument("--warmup-steps", type=int, help="first steps left out of the timing")
     p.add_argument("--model", help="model for every method (hub id, local folder or embedded:<name>)")
-    p.add_argument(
-        "--dataset", help="task name for trl_dart_es.tasks.load_task_dataset, or a saved DatasetDict folder"
-    )
+    p.add_argument("--dataset",
+                   help="task name for trl_dart_es.tasks.load_task_dataset, or a saved DatasetDict folder")  # fmt: skip
     p.add_argument("--population", type=int,
                    help="N: ES population = GRPO num_generations (default 8; with --curves: the DART-ES config's)")  # fmt: skip
     p.add_argument("--prompts", type=int,
@@ -85,9 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                         "reported as timeout")  # fmt: skip
     p.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR),
                    help="where latest.{json,md,png} (--curves: curves.{json,md}) go; default: %(default)s")  # fmt: skip
-    p.add_argument(
-        "--work-dir", default=None, help="logs and intermediate files (default: a temporary folder)"
-    )
+    p.add_argument("--work-dir", help="logs and intermediate files (default: a temporary folder)")
     p.add_argument("--merge", action="store_true",
                    help="keep rows of methods not run now from an existing latest.json measured on the same workload")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
@@ -112,9 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     curves.add_argument("--runs-dir",
                         help=f"one JSON per finished (method, seed) run; default: {DEFAULT_RUNS_DIR} (--preset: "
                              f"{STUDY_RUNS_DIR})")  # fmt: skip
-    curves.add_argument(
-        "--image", default=None, help=f"the plot (default: {DEFAULT_IMAGE}, or curves-<tag>.png)"
-    )
+    curves.add_argument("--image", help=f"the plot (default: {DEFAULT_IMAGE}, or curves-<tag>.png)")
     curves.add_argument("--report-only", action="store_true",
                         help="train nothing: rebuild the report from the finished runs")  # fmt: skip
     curves.add_argument("--force", action="store_true", help="rerun finished runs too")
@@ -133,16 +126,8 @@ def _parser() -> argparse.ArgumentParser:
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The workload the options describe: SHORT or FULL (--curves: CURVES) with the options given applied."""
     if getattr(args, "curves", False):
-        given = [
-            f
-            for f in ("full", "steps", "warmup_steps", "seed", "merge")
-            if getattr(args, f) not in (None, False)
-        ]
-        if given:
-            raise SystemExit(
-                f"--curves does not use {', '.join('--' + f.replace('_', '-') for f in given)}: the budget "
-                "(--budget-minutes) bounds training and --seeds names the seeds"
-            )
+        _refuse(args, "--curves", ("full", "steps", "warmup_steps", "seed", "merge"),
+                "the budget (--budget-minutes) bounds training and --seeds names the seeds")  # fmt: skip
         workload = CURVES
     else:
         workload = FULL if args.full else SHORT
@@ -210,12 +195,15 @@ def _study(args: argparse.Namespace) -> None:
     unused = ["methods", "set", "tag", "image", "model", "dataset", "population", "prompts", "max_completion_length",
               "eval_batch_size", "dtype", "device", "config_dir", "timeout", "work_dir", "full", "steps",
               "warmup_steps", "seed", "merge"]  # fmt: skip
-    given = [f for f in unused if getattr(args, f) not in (None, False)]
-    if given:
-        raise SystemExit(
-            f"--preset does not use {', '.join('--' + f.replace('_', '-') for f in given)}: a preset sets them"
-        )
+    _refuse(args, "--preset", unused, "a preset sets them")
     args.seeds = [0] if args.seeds is None else args.seeds
     args.runs_dir = args.runs_dir or str(STUDY_RUNS_DIR)
     args.eval_prompts = args.eval_prompts or DEFAULT_EVAL_PROMPTS
     study_main(args, args.preset)
+
+
+def _refuse(args: argparse.Namespace, mode: str, fields: Sequence[str], why: str) -> None:
+    """Stop if any of `fields` was given: `mode` does not use them."""
+    given = [f for f in fields if getattr(args, f) not in (None, False)]
+    if given:
+        raise SystemExit(f"{mode} does not use {', '.join('--' + f.replace('_', '-') for f in given)}: {why}")

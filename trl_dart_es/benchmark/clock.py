@@ -1,21 +1,16 @@
 """The step clock every measurement uses: how long each optimizer step took, and when to stop.
 
-Two readings of the same steps, because the harness reports both:
-- `step_times` / `train_seconds`: each step from `on_step_begin` to `on_step_end` (logging, data loading and
-  evaluation between steps left out): the training time of a budget (`--curves`, the study);
-- `wall_step_times`: from one step's end to the next (from `train()`'s start for the first): what a step costs
-  end to end, the side-by-side benchmark's `step_time_s_median`.
-
-`callback()` is the clock as a `transformers.TrainerCallback`, built on first use (transformers is a heavy
-import and the harness's parent process never needs it).
+It keeps two readings of the same steps: `step_times` / `train_seconds`, each step from `on_step_begin` to
+`on_step_end` (what happens between steps left out: the training time of a budget, `--curves` and the study),
+and `wall_step_times`, from one step's end to the next (from `train()`'s start for the first: what a step costs
+end to end, the side-by-side benchmark's `step_time_s_median`). `callback()` builds the `TrainerCallback` on
+first use: the harness's parent process never imports transformers.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
-__all__ = ["StepClock"]
 
 
 class StepClock:
@@ -27,10 +22,8 @@ class StepClock:
         self.max_steps: int | None = None
         self.train_seconds = 0.0
         self.step_times: list[float] = []
-        # perf_counter at train() start, then at every step end.
-        self.ends: list[float] = []
-        # Training seconds at the end of each step, by global step.
-        self.at_step: dict[int, float] = {}
+        self.ends: list[float] = []  # perf_counter at train() start, then at every step end
+        self.at_step: dict[int, float] = {}  # training seconds at the end of each step, by global step
         self._step_started: float | None = None
 
     def train_begin(self, max_steps: int | None = None) -> None:

@@ -1,15 +1,12 @@
 """Accuracy against training wall-clock time (`python -m trl_dart_es.benchmark --curves`).
 
-Each (method, seed) trains in its own child process (so its peak memory is its own) on the side-by-side
-benchmark's workload: the same model, data, rewards, completion length and rollouts per step, each method's other
-hyperparameters from its recipe config. Training stops after a budget of training seconds, counted by a
-callback as the sum of step durations (`on_step_begin` to `on_step_end`), so evaluation never eats into it. The
-held-out greedy accuracy (`evaluate_trainer`, the one evaluation of every mode) is taken at step 0 and at the
-first step end at or after each evaluation mark.
-
-Every finished run goes to `<runs-dir>/<method>-seed<k>[-<tag>].json` at once; a rerun skips finished runs with
-the same settings, so a long study can run in pieces. The report (`curves.json`, `curves.md`, `curves.png`)
-covers every finished run with the current settings.
+Each (method, seed) trains in its own child process on the side-by-side benchmark's workload (model, data,
+rewards, completion length, rollouts per step; the rest from the method's recipe config) until a budget of
+training seconds, the sum of step durations (evaluation never eats into it). The harness's greedy held-out
+accuracy (`evaluate_trainer`) is taken at step 0 and at the first step end at or after each evaluation mark.
+Every finished run goes to `<runs-dir>/<method>-seed<k>[-<tag>].json` at once and a rerun skips finished runs
+with the same settings, so a long study can run in pieces; the report (`curves.{json,md,png}`) covers every
+finished run with the current settings.
 """
 
 from __future__ import annotations
@@ -31,26 +28,11 @@ from typing import Any
 from ..digest import json_digest
 from .clock import StepClock
 from .machine import machine_description, machines_summary, utc_now
-from .methods import METHODS, _missing_requirements
-from .process import peak_memory, spawn, tail
+from .methods import METHODS
+from .process import failure, last_line, peak_memory, spawn
+from .report import interval, pyplot, save_figure, table, write_json_atomic
 from .stats import includes_zero, paired_t_interval
 from .workload import DEFAULT_OUTPUT_DIR, REPO_ROOT, Workload, _config_path
-
-__all__ = [
-    "CURVES",
-    "CurveClock",
-    "curve_capable",
-    "curve_settings",
-    "curve_run_path",
-    "finished_run",
-    "load_curve_runs",
-    "parse_overrides",
-    "render_curves_markdown",
-    "plot_curves",
-    "run_curve",
-    "summarize_curves",
-    "write_curve_report",
-]
 
 # The curves' workload: rollouts per step and completion length from the DART-ES config (the demo), 512 held-out
 # prompts (one prompt = 0.2 points), evaluated 64 at a time.
@@ -79,11 +61,9 @@ _TAG = re.compile(r"^[A-Za-z0-9._-]+$")
 class CurveClock(StepClock):
     """The step clock with evaluation at marks of training time (evaluation left out of it) and a budget.
 
-    `step_begin()` / `step_end(step)` bracket each optimizer step; `step_end` evaluates when the step crosses one
-    or more marks (one evaluation serves them all) and returns True once the budget is spent. `callback()` is
-    the same clock as a `transformers.TrainerCallback`. The evaluation runs in `on_step_end` rather than through
-    `control.should_evaluate`: GRPOTrainer's own evaluate() would sample with its own settings, while this is the
-    harness's greedy evaluation, the same function for every method, timed apart from training.
+    `step_end` evaluates when the step crosses one or more marks (one evaluation serves them all). It runs in
+    `on_step_end` rather than through `control.should_evaluate`: GRPOTrainer's own evaluate() would sample with
+    its own settings, while this is the harness's greedy evaluation, the same for every method.
     """
 
     def __init__(
@@ -96,8 +76,7 @@ class CurveClock(StepClock):
         if budget_s <= 0:
             raise ValueError(f"the budget must be positive, got {budget_s} s")
         super().__init__(budget_s, progress)
-        # Marks past the budget are never reached; the budget's end is always one.
-        self.marks = sorted({float(m) for m in eval_at_s if 0 < m < budget_s} | {self.budget_s})
+        self.marks = _eval_marks(self.budget_s, eval_at_s)
         self.evaluate = evaluate
         self.eval_seconds = 0.0
         self.points: list[dict[str, Any]] = []
@@ -126,16 +105,11 @@ class CurveClock(StepClock):
             metrics = self.evaluate()
         spent = time.perf_counter() - started
         self.eval_seconds += spent
-        point = {
-            "step": int(step),
-            "train_seconds": self.train_seconds,
-            "accuracy": float(metrics["accuracy"]),
-            "marks": [float(m) for m in marks],
-            "eval_seconds": spent,
-        }
-        for key, value in metrics.items():
-            if key.startswith("accuracy/") or key in _POINT_METRICS:
-                point[key] = float(value)
+        point = {"step": int(step), "train_seconds": self.train_seconds, "accuracy": float(metrics["accuracy"]),
+                 "marks": [float(m) for m in marks], "eval_seconds": spent}  # fmt: skip
+        point.update(
+            (k, float(v)) for k, v in metrics.items() if k.startswith("accuracy/") or k in _POINT_METRICS
+        )
         self.points.append(point)
         return point
 
@@ -147,8 +121,7 @@ class CurveClock(StepClock):
 
 # ----------------------------------------------------------------------------------------- settings
 def curve_capable(method: str) -> bool:
-    """Whether `method` can run as a curve: it trains (ES or GRPO) in one process (the budget's clock and the
-    stop are per process)."""
+    """Whether `method` trains (ES or GRPO) in one process: the budget's clock and stop are per process."""
     m = METHODS[method]
     return m.kind in ("es", "grpo") and m.launch is None
 
@@ -166,18 +139,13 @@ def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, Any]]:
         scope, _, key = key.strip().rpartition(":")
         if scope and scope not in METHODS:
             raise ValueError(f"--set {item!r}: unknown method {scope!r}; known: {', '.join(METHODS)}")
-        out.setdefault(scope or "*", {})[key.strip()] = (
-            _scalar(yaml.safe_load(text)) if text.strip() else None
-        )
+        value = yaml.safe_load(text) if text.strip() else None
+        # YAML 1.1 reads `1e-3` (no dot) as a string; a learning rate written that way is meant as a number.
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        out.setdefault(scope or "*", {})[key.strip()] = value
     return out
-
-
-def _scalar(value: Any) -> Any:
-    # YAML 1.1 reads `1e-3` (no dot) as a string; a learning rate written that way is meant as a number.
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return float(value)
-    return value
 
 
 def overrides_for(method: str, parsed: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -187,16 +155,12 @@ def overrides_for(method: str, parsed: Mapping[str, Mapping[str, Any]]) -> dict[
 
 def split_overrides(workload: Workload, overrides: Mapping[str, Any]) -> tuple[Workload, dict[str, Any]]:
     """(workload with the workload keys of `overrides` applied, the remaining recipe-config overrides)."""
-    changes, config = {}, {}
-    for key, value in overrides.items():
-        if key in _WORKLOAD_KEYS:
-            changes[_WORKLOAD_KEYS[key]] = value
-        else:
-            config[key] = value
-    return replace(workload, **changes), config
+    changes = {_WORKLOAD_KEYS[k]: v for k, v in overrides.items() if k in _WORKLOAD_KEYS}
+    return replace(workload, **changes), {k: v for k, v in overrides.items() if k not in _WORKLOAD_KEYS}
 
 
 def _eval_marks(budget_s: float, eval_at_s: Iterable[float]) -> list[float]:
+    """The marks within the budget, and the budget's end (marks past it are never reached)."""
     return sorted({float(m) for m in eval_at_s if 0 < m < budget_s} | {float(budget_s)})
 
 
@@ -208,12 +172,9 @@ def curve_settings(
     overrides: Mapping[str, Any] | None = None,
     tag: str | None = None,
 ) -> dict[str, Any]:
-    """What makes two runs of `method` comparable: a finished run with the same settings is not run again.
-
-    It holds the workload, the budget and marks, the recipe config (its path and a hash of its content: changing
-    a value in the demo config makes its runs stale, editing a comment does not), the method's own fields and
-    the run's overrides.
-    """
+    """What makes two runs of `method` comparable (a finished run with the same settings is not run again): the
+    workload, budget and marks, the recipe config (its path and a hash of its values, so that editing a comment
+    does not make runs stale), the method's own fields and the run's overrides."""
     workload, config_overrides = split_overrides(workload.resolved(), overrides or {})
     workload = workload.resolved()
     keys = ("model", "dataset", "train_split", "test_split", "population", "prompts", "max_completion_length",
@@ -242,8 +203,7 @@ def config_digest(path: str | Path) -> str:
     """A hash of a YAML config's content (keys and values, not comments or layout)."""
     import yaml
 
-    content = yaml.safe_load(Path(path).read_text())
-    return json_digest(content, 16)
+    return json_digest(yaml.safe_load(Path(path).read_text()), 16)
 
 
 def curve_run_path(runs_dir: str | Path, method: str, seed: int, tag: str | None = None) -> Path:
@@ -253,11 +213,8 @@ def curve_run_path(runs_dir: str | Path, method: str, seed: int, tag: str | None
 
 def finished_run(path: str | Path, settings: Mapping[str, Any]) -> dict | None:
     """The run stored at `path` if it finished with `settings`, else None."""
-    path = Path(path)
-    if not path.is_file():
-        return None
     with contextlib.suppress(ValueError, OSError):
-        run = json.loads(path.read_text())
+        run = json.loads(Path(path).read_text())
         if run.get("status") == "ok" and run.get("settings") == dict(settings):
             return run
     return None
@@ -266,8 +223,7 @@ def finished_run(path: str | Path, settings: Mapping[str, Any]) -> dict | None:
 # ----------------------------------------------------------------------------------------- child: one curve
 def _step0_cache_path(trainer, workload: Workload, kind: str, held_out) -> Path | None:
     """Where the untrained model's metrics are cached (the one cache of `trl_dart_es.trainer.baseline`, for an
-    embedded model only); the key holds everything that changes the harness's evaluation, the held-out rows
-    themselves included."""
+    embedded model only), keyed by all that changes the harness's evaluation, the held-out rows included."""
     from ..trainer.baseline import generation_precision, untrained_cache_file
 
     args = trainer.args
@@ -310,7 +266,6 @@ def curve_child(
             for value in sorted(set(held_out[column]))
         }
         clock.evaluate = lambda: evaluate_trainer(trainer, workload, held_out, vllm_path=True)
-
         # Step 0: the untrained model, from the cache when it cannot have changed.
         cache = _step0_cache_path(trainer, workload, method.kind, held_out)
         cached = read_cached(cache)
@@ -320,7 +275,6 @@ def curve_child(
             write_cached(
                 cache, {k: v for k, v in point.items() if k == "accuracy" or k in _POINT_METRICS or "/" in k}
             )
-
         started, eval_before = time.perf_counter(), clock.eval_seconds
         trainer.train()
         # train() from start to end without the evaluations in it: also counts logging and data loading.
@@ -332,21 +286,12 @@ def curve_child(
              or k.startswith(("rewards/", "dart/", "completions/clipped"))}
             for e in history if "reward" in e
         ]  # fmt: skip
-        result = {
-            "config": config,
-            **batches,
-            "points": clock.points,
-            "steps": trainer.state.global_step,
-            "train_seconds": clock.train_seconds,
-            "eval_seconds": clock.eval_seconds,
-            "train_wall_s": train_wall,
-            "step_times_s": clock.step_times,
-            "train_reward": _per_step(history, "reward"),
-            "train_log": train_log,
-            "stop": "budget" if clock.train_seconds >= clock.budget_s else "max_steps",
-            "group_sizes": group_sizes,
-        }
-    return result
+        return {
+            "config": config, **batches, "points": clock.points, "steps": trainer.state.global_step,
+            "train_seconds": clock.train_seconds, "eval_seconds": clock.eval_seconds, "train_wall_s": train_wall,
+            "step_times_s": clock.step_times, "train_reward": _per_step(history, "reward"), "train_log": train_log,
+            "stop": "budget" if clock.train_seconds >= clock.budget_s else "max_steps", "group_sizes": group_sizes,
+        }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- parent: runs
@@ -366,76 +311,41 @@ def run_curve(
     force: bool = False,
     bar=None,
 ) -> dict[str, Any]:
-    """Train `method` with `seed` on `workload` for `budget_s` training seconds in a child process; return
-    the run: `method`, `seed`, `status`, `eval_prompts`, `peak_mem_mb`, `points` (first at step 0), ...
+    """Train `method` with `seed` on `workload` for `budget_s` training seconds in a child process; return the
+    run: `method`, `seed`, `status`, `eval_prompts`, `peak_mem_mb`, `points` (first at step 0), ...
 
-    Args:
-        overrides: recipe-config fields for this run (keys of the workload, e.g. `max_completion_length`,
-            change the workload instead: see `split_overrides`).
-        tag: names the run (and its file); runs with different tags never replace each other.
-        runs_dir: if given, a finished run with the same settings there is returned as is (unless `force`), and
-            a new finished run is written there at once (`curve_run_path`).
-        work_dir: the child's spec, result and log (default: a temporary folder).
-        timeout_s: stop the child after this many seconds (default: 3 x budget + 1 h, for the evaluations).
+    `overrides` are recipe-config fields (workload keys change the workload instead: `split_overrides`); `tag`
+    names the run and its file. With `runs_dir`, a finished run with the same settings there is returned as is
+    (unless `force`), and a new finished run is written there at once. `work_dir` holds the child's files
+    (default: a temporary folder); `timeout_s` stops the child (default: 3 x budget + 1 h, for evaluations).
     """
-
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     if not curve_capable(method):
         raise ValueError(f"{method}: curves need a single-process training method (es or grpo kind)")
-    bench = METHODS[method]
     if tag is not None and not _TAG.match(tag):
         raise ValueError(f"tag {tag!r}: use letters, digits, '.', '_' and '-' only")
     settings = curve_settings(method, workload, budget_s, eval_at_s, overrides, tag)
     path = curve_run_path(runs_dir, method, seed, tag) if runs_dir is not None else None
-    if path is not None and not force:
-        done = finished_run(path, settings)
-        if done is not None:
-            return done
+    if path is not None and not force and (done := finished_run(path, settings)) is not None:
+        return done
     run_workload, config_overrides = split_overrides(workload.resolved(), overrides or {})
-    run_workload = replace(run_workload.resolved(), seed=seed)
-    run_workload = replace(
-        run_workload, timeout_s=timeout_s if timeout_s is not None else 3 * budget_s + 3600.0
-    )
+    timeout = timeout_s if timeout_s is not None else 3 * budget_s + 3600.0
+    run_workload = replace(run_workload.resolved(), seed=seed, timeout_s=timeout)
     extra = {"mode": "curve", "budget_s": float(budget_s), "eval_at_s": settings["eval_at_s"],
              "overrides": config_overrides}  # fmt: skip
     stem = f"curve-{method}-seed{seed}" + (f"-{tag}" if tag else "")
-    missing = _missing_requirements(bench)
     with contextlib.ExitStack() as stack:
         work = work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="trl-dart-es-curve-"))
-        if missing:
-            result, observed = None, {"error": f"missing modules: {', '.join(missing)}", "wall_s": 0.0}
-        else:
-            result, observed = spawn(method, run_workload, Path(work), bar, extra=extra, stem=stem)
-        run: dict[str, Any] = {
-            "method": method,
-            "seed": seed,
-            "tag": tag,
-            "status": "ok",
-            "eval_prompts": run_workload.eval_prompts,
-            "rollouts_per_step": run_workload.rollouts_per_step,
-            "budget_s": float(budget_s),
-        }
-        if result is None:
-            run["status"] = "timeout" if observed.get("timed_out") else "failed"
-            run["error"] = observed.get("error") or (
-                tail(Path(observed["log"])) if observed.get("log") else ""
-            )
-        else:
-            run.update(peak_memory(result, observed))
-            run.update(result)
-        run.update(
-            wall_s=observed.get("wall_s"),
-            machine=machine_description(),
-            date=utc_now(),
-            command=command,
-            settings=settings,
-        )
+        result, observed = spawn(method, run_workload, Path(work), bar, extra=extra, stem=stem)
+    run: dict[str, Any] = {"method": method, "seed": seed, "tag": tag, "status": "ok",
+                           "eval_prompts": run_workload.eval_prompts,
+                           "rollouts_per_step": run_workload.rollouts_per_step, "budget_s": float(budget_s)}  # fmt: skip
+    run.update(failure(observed) if result is None else {**peak_memory(result, observed), **result})
+    run.update(wall_s=observed.get("wall_s"), machine=machine_description(), date=utc_now(), command=command,
+               settings=settings)  # fmt: skip
     if path is not None and run["status"] == "ok":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(run, indent=1, default=str) + "\n")
-        tmp.replace(path)  # a run file is either complete or absent
+        write_json_atomic(path, run)
     return run
 
 
@@ -507,43 +417,27 @@ def summarize_curves(runs: Sequence[Mapping[str, Any]], times_s: Sequence[float]
         for t in times_s:
             values = [p["accuracy"] for r in mine if (p := point_at(r, t)) is not None]
             at[str(t)] = _spread(values) if values else None
-        groups = sorted({k for r in mine for k in r["points"][-1] if k.startswith("accuracy/")})
+        first, last = [r["points"][0] for r in mine], [r["points"][-1] for r in mine]
+        groups = sorted({k for p in last for k in p if k.startswith("accuracy/")})
         out["methods"][method] = {
             "seeds": [r["seed"] for r in mine],
-            "start": _spread([r["points"][0]["accuracy"] for r in mine]),
+            "start": _spread([p["accuracy"] for p in first]),
             "at": at,
-            "end": _spread([r["points"][-1]["accuracy"] for r in mine]),
-            "groups_end": {
-                g: _spread([r["points"][-1][g] for r in mine if g in r["points"][-1]]) for g in groups
-            },
+            "end": _spread([p["accuracy"] for p in last]),
+            "groups_end": {g: _spread([p[g] for p in last if g in p]) for g in groups},
             "groups_start": {
-                g: _spread([r["points"][0][g] for r in mine if g in r["points"][0]])
-                for g in groups
-                if any(g in r["points"][0] for r in mine)
+                g: _spread([p[g] for p in first if g in p]) for g in groups if any(g in p for p in first)
             },
             "steps": _spread([r["steps"] for r in mine]),
             "peak_mem_mb": _spread([r["peak_mem_mb"] for r in mine]),
         }
-    if methods:
-        reference = methods[0]
-        for other in methods[1:]:
-            for t in times_s:
-                diffs = paired_differences(runs, reference, other, t)
-                if not diffs:
-                    continue
+    for other in methods[1:]:
+        for t in times_s:
+            diffs = paired_differences(runs, methods[0], other, t)
+            if diffs:
                 mean, lo, hi = paired_t_interval([d for _, d in diffs])
-                out["paired"].append(
-                    {
-                        "a": reference,
-                        "b": other,
-                        "t_s": t,
-                        "diffs": diffs,
-                        "mean": mean,
-                        "low": lo,
-                        "high": hi,
-                        "includes_zero": includes_zero(lo, hi),
-                    }  # fmt: skip
-                )
+                out["paired"].append({"a": methods[0], "b": other, "t_s": t, "diffs": diffs, "mean": mean,
+                                      "low": lo, "high": hi, "includes_zero": includes_zero(lo, hi)})  # fmt: skip
     return out
 
 
@@ -551,11 +445,7 @@ def paired_differences(
     runs: Sequence[Mapping[str, Any]], a: str, b: str, t_s: float
 ) -> list[tuple[int, float]]:
     """(seed, accuracy of `a` minus accuracy of `b` at `t_s`) for every seed both methods finished."""
-    acc = {}
-    for r in runs:
-        point = point_at(r, t_s)
-        if point is not None:
-            acc[r["method"], r["seed"]] = point["accuracy"]
+    acc = {(r["method"], r["seed"]): p["accuracy"] for r in runs if (p := point_at(r, t_s)) is not None}
     seeds = sorted({s for m, s in acc if m == a} & {s for m, s in acc if m == b})
     return [(s, acc[a, s] - acc[b, s]) for s in seeds]
 
@@ -565,12 +455,16 @@ def _when(t_s: float) -> str:
     return f"{t_s / 60:g} min" if t_s >= 60 else f"{t_s:g} s"
 
 
-def _pct_spread(s: Mapping[str, float] | None) -> str:
+def _spread_text(
+    s: Mapping[str, float] | None, scale: float = 100, fmt: str = ".1f", mean_fmt: str = ""
+) -> str:
+    """`mean` of one value, `mean (min–max)` of several (`mean_fmt` for the mean then), scaled; "–" of none."""
     if not s:
         return "–"
     if s["n"] == 1:
-        return f"{100 * s['mean']:.1f}"
-    return f"{100 * s['mean']:.1f} ({100 * s['min']:.1f}–{100 * s['max']:.1f})"
+        return format(scale * s["mean"], fmt)
+    low, high = format(scale * s["min"], fmt), format(scale * s["max"], fmt)
+    return f"{format(scale * s['mean'], mean_fmt or fmt)} ({low}–{high})"
 
 
 def machine_line(runs: Sequence[Mapping[str, Any]]) -> str:
@@ -609,100 +503,74 @@ def render_curves_markdown(runs: Sequence[Mapping[str, Any]], summary: Mapping[s
         "",
     ]
     times = summary["times_s"]
-    header = "| method | seeds | step 0 | " + " | ".join(f"at {_when(t)}" for t in times)
     lines += [
         "Accuracy (%), mean (min–max) over seeds; the value at a time is the evaluation at the first step end at "
         "or after it. Steps: optimizer steps in the budget. Peak memory: the run's process tree (CPU RSS) or "
         "CUDA `max_memory_reserved`, over the whole run (loading and evaluation included).",
         "",
-        header + " | steps | peak memory (GB) |",
+        "| method | seeds | step 0 | "
+        + " | ".join(f"at {_when(t)}" for t in times)
+        + " | steps | peak memory (GB) |",
         "| --- | --- | ---: | " + " | ".join("---:" for _ in times) + " | ---: | ---: |",
     ]
     for method, m in summary["methods"].items():
-        mem = m["peak_mem_mb"]
-        mem_text = (
-            f"{mem['mean'] / 1024:.2f}"
-            if mem["n"] == 1
-            else f"{mem['mean'] / 1024:.2f} ({mem['min'] / 1024:.2f}–{mem['max'] / 1024:.2f})"
-        )
-        steps = m["steps"]
-        steps_text = f"{steps['mean']:.0f}" if steps["n"] == 1 else (
-            f"{steps['mean']:.1f} ({steps['min']:.0f}–{steps['max']:.0f})"
-        )  # fmt: skip
-        cells = " | ".join(_pct_spread(m["at"][str(t)]) for t in times)
+        cells = " | ".join(_spread_text(m["at"][str(t)]) for t in times)
         lines.append(
-            f"| {method} | {', '.join(map(str, m['seeds']))} | {_pct_spread(m['start'])} | {cells} "
-            f"| {steps_text} | {mem_text} |"
+            f"| {method} | {', '.join(map(str, m['seeds']))} | {_spread_text(m['start'])} | {cells} "
+            f"| {_spread_text(m['steps'], 1, '.0f', '.1f')} | {_spread_text(m['peak_mem_mb'], 1 / 1024, '.2f')} |"
         )
-    if summary["paired"]:
-        lines += [
-            "",
-            "Paired differences by seed (accuracy points, first method minus the other, same seed), mean and 95% "
-            "t-interval:",
-            "",
-            "| difference | at | per seed | mean | 95% interval | |",
-            "| --- | --- | --- | ---: | --- | --- |",
-        ]
-        for p in summary["paired"]:
-            per_seed = ", ".join(f"seed {seed}: {100 * d:+.1f}" for seed, d in p["diffs"])
-            if math.isnan(p["low"]):
-                interval, verdict = "–", "one seed: no interval"
-            else:
-                interval = f"[{100 * p['low']:+.1f}, {100 * p['high']:+.1f}]"
-                verdict = "interval includes zero" if p["includes_zero"] else "interval excludes zero"
-            lines.append(
-                f"| {p['a']} − {p['b']} | {_when(p['t_s'])} | {per_seed} | {100 * p['mean']:+.1f} | {interval} "
-                f"| {verdict} |"
-            )
+    paired = []
+    for p in summary["paired"]:
+        per_seed = ", ".join(f"seed {seed}: {100 * d:+.1f}" for seed, d in p["diffs"])
+        if math.isnan(p["low"]):
+            ci, verdict = "–", "one seed: no interval"
+        else:
+            ci = interval(p["low"], p["high"])
+            verdict = "interval includes zero" if p["includes_zero"] else "interval excludes zero"
+        paired.append(f"| {p['a']} − {p['b']} | {_when(p['t_s'])} | {per_seed} | {100 * p['mean']:+.1f} | {ci} "
+                      f"| {verdict} |")  # fmt: skip
+    lines += table(
+        "Paired differences by seed (accuracy points, first method minus the other, same seed), mean and 95% "
+        "t-interval:",
+        "| difference | at | per seed | mean | 95% interval | |", "| --- | --- | --- | ---: | --- | --- |",
+        paired,
+    )  # fmt: skip
     groups = sorted({g for m in summary["methods"].values() for g in m["groups_end"]})
     if groups:
-        labels = [g.removeprefix("accuracy/") for g in groups]
-        lines += [
-            "",
+        start = next(iter(summary["methods"].values()))["groups_start"]
+        rows = [("untrained (step 0)", start)] if start else []
+        rows += [(method, m["groups_end"]) for method, m in summary["methods"].items()]
+        lines += table(
             "Accuracy (%) per group of the held-out set at the end of the budget (level = arithmetic operations; "
             "wording_held_out = phrasings never seen in training), mean (min–max) over seeds:",
-            "",
-            "| method | " + " | ".join(labels) + " |",
+            "| method | " + " | ".join(g.removeprefix("accuracy/") for g in groups) + " |",
             "| --- | " + " | ".join("---:" for _ in groups) + " |",
-        ]
-        first_method = next(iter(summary["methods"].values()))
-        if first_method["groups_start"]:
-            lines.append(
-                "| untrained (step 0) | "
-                + " | ".join(_pct_spread(first_method["groups_start"].get(g)) for g in groups)
-                + " |"
-            )
-        for method, m in summary["methods"].items():
-            lines.append(
-                f"| {method} | " + " | ".join(_pct_spread(m["groups_end"].get(g)) for g in groups) + " |"
-            )
-        sizes = first.get("group_sizes")
-        if sizes:
-            lines += ["", "Prompts per group: " + ", ".join(f"{k}: {v}" for k, v in sizes.items()) + "."]
+            [f"| {name} | " + " | ".join(_spread_text(values.get(g)) for g in groups) + " |" for name, values in rows],
+        )  # fmt: skip
+        if first.get("group_sizes"):
+            lines += [
+                "",
+                "Prompts per group: " + ", ".join(f"{k}: {v}" for k, v in first["group_sizes"].items()) + ".",
+            ]
     return "\n".join(lines) + "\n"
 
 
 def plot_curves(runs: Sequence[Mapping[str, Any]], path: str | Path) -> None:
     """Accuracy against training minutes: per method, the mean over seeds at each mark with a min–max band,
     and each seed's own curve faintly."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     palette = {"dart-es": "#4c72b0", "es": "#55a868", "grpo": "#c44e52", "grpo-lora": "#dd8452",
                "dart-es-vllm-lowrank": "#4c72b0", "es-vllm-lowrank": "#55a868", "dart-es-demo": "#4c72b0",
                "es-demo": "#55a868"}  # fmt: skip
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7.5, 4.5))
     for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
         mine = [r for r in runs if r["method"] == method]
         color = palette.get(method, f"C{i + 4}")
         for r in mine:
-            ax.plot(
+            minutes, acc = (
                 [p["train_seconds"] / 60 for p in r["points"]],
                 [100 * p["accuracy"] for p in r["points"]],
-                color=color, alpha=0.25, linewidth=0.8,
-            )  # fmt: skip
+            )
+            ax.plot(minutes, acc, color=color, alpha=0.25, linewidth=0.8)
         # Align the seeds on their marks (step 0 is mark 0): x is the mean training time of those points.
         marks = sorted({m for r in mine for p in r["points"] for m in p.get("marks", [])})
         xs, mean, low, high = [], [], [], []
@@ -713,29 +581,20 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], path: str | Path) -> None:
             mean.append(statistics.fmean(acc))
             low.append(min(acc))
             high.append(max(acc))
-        ax.plot(
-            xs,
-            mean,
-            marker="o",
-            markersize=3,
-            color=color,
-            label=f"{method} ({len(mine)} seed{'s' if len(mine) != 1 else ''})",
-        )
+        label = f"{method} ({len(mine)} seed{'s' if len(mine) != 1 else ''})"
+        ax.plot(xs, mean, marker="o", markersize=3, color=color, label=label)
         ax.fill_between(xs, low, high, color=color, alpha=0.18, linewidth=0)
     if runs:
         w = runs[0]["settings"]["workload"]
-        ax.set_title(
-            f"{w['model']} on {w['dataset']}, {w['eval_prompts']} held-out prompts; band: min–max over seeds",
-            fontsize=9,
+        title = (
+            f"{w['model']} on {w['dataset']}, {w['eval_prompts']} held-out prompts; band: min–max over seeds"
         )
+        ax.set_title(title, fontsize=9)
     ax.set_xlabel("training time (min), evaluation excluded")
     ax.set_ylabel("held-out accuracy (%), greedy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_curve_report(
@@ -774,10 +633,8 @@ def curves_main(
         raise SystemExit(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' only")
     budget_s = 60 * args.budget_minutes
     eval_at_s = [60 * m for m in args.eval_at_minutes]
-    settings = {
-        m: curve_settings(m, workload, budget_s, eval_at_s, overrides_for(m, parsed), args.tag)
-        for m in methods
-    }
+    overrides = {m: overrides_for(m, parsed) for m in methods}
+    settings = {m: curve_settings(m, workload, budget_s, eval_at_s, overrides[m], args.tag) for m in methods}
     runs_dir = Path(args.runs_dir)
     if not args.report_only:
         todo = []
@@ -798,17 +655,13 @@ def curves_main(
             for m, seed in todo:
                 bar.set_description(f"{m} seed {seed}")
                 tqdm.write(f"run {m} seed {seed} ...")
-                run = run_curve(
-                    m, seed, workload, budget_s, eval_at_s, overrides_for(m, parsed), args.tag,
-                    runs_dir=runs_dir, work_dir=work, command=command, timeout_s=args.timeout, force=True,
-                    bar=bar,
-                )  # fmt: skip
+                run = run_curve(m, seed, workload, budget_s, eval_at_s, overrides[m], args.tag, runs_dir=runs_dir,
+                                work_dir=work, command=command, timeout_s=args.timeout, force=True, bar=bar)  # fmt: skip
                 if run["status"] == "ok":
                     curve = ", ".join(f"{p['step']}:{100 * p['accuracy']:.1f}%" for p in run["points"])
                     tqdm.write(f"done {m} seed {seed}: {run['steps']} steps, {curve}")
                 else:
-                    tail = (run.get("error") or "").strip().splitlines()
-                    tqdm.write(f"{m} seed {seed} {run['status'].upper()}: {tail[-1] if tail else ''}")
+                    tqdm.write(f"{m} seed {seed} {run['status'].upper()}: {last_line(run.get('error'))}")
                 bar.update()
     runs, ignored = load_curve_runs(runs_dir, settings)
     if ignored:

@@ -29,12 +29,9 @@ def evaluate_greedy(
     solved_threshold: float = 1.0,
     chat_template_kwargs: dict | None = None,
 ) -> dict[str, float]:
-    """Greedy held-out metrics of any causal LM (plain, PEFT, ES- or GRPO-trained), with the generation and
-    scoring code `DartESTrainer.evaluate` uses, so that every method is measured by the same function.
-
-    Returns the metrics of `trl_dart_es.scoring.held_out_metrics` (the keys of `DartESTrainer.evaluate_dataset`,
-    without its `eval_` prefix: the same function computes both) and `tokens_per_s` (generation only).
-    """
+    """Greedy held-out metrics of any causal LM (plain, PEFT, ES- or GRPO-trained) by the generation and scoring
+    code of `DartESTrainer.evaluate`: `scoring.held_out_metrics`'s keys (those of `evaluate_dataset` without
+    `eval_`), and `tokens_per_s` (generation only)."""
     import numpy as np
     import torch
 
@@ -53,10 +50,11 @@ def evaluate_greedy(
         max_completion_length=max_completion_length, temperature=0.0, repetition_penalty=1.0,
         generation_kwargs={"use_cache": True},
     )  # fmt: skip
+    config = build_generation_config(gen_args, tokenizer, eos)
     rollout = TransformersRollout(
         model,
         tokenizer,
-        build_generation_config(gen_args, tokenizer, eos),
+        config,
         _Unperturbed(),
         batch_size=batch_size,
         chat_template_kwargs=chat_template_kwargs,
@@ -116,11 +114,9 @@ def evaluate_trainer(
     trainer, workload: Workload, dataset=None, *, vllm_path: bool = False
 ) -> dict[str, float]:
     """Held-out metrics of a trainer's current model (DART-ES's unperturbed weights, GRPO's policy, a PEFT
-    model) with `evaluate_workload`: the same function for every method.
-
-    With `vllm_path`, a `DartESTrainer` that generates with vLLM evaluates through its engine instead
-    (`evaluate_dataset`, the same greedy decoding and scoring; much faster there), keys without `eval_`.
-    """
+    model) by `evaluate_workload`, the same function for every method. With `vllm_path`, a `DartESTrainer` on
+    vLLM evaluates through its engine instead (`evaluate_dataset`: the same greedy decoding and scoring, much
+    faster there), keys without `eval_`."""
     from trl.models.utils import unwrap_model_for_generation
 
     if getattr(trainer, "es_params", None) is not None:

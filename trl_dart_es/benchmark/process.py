@@ -1,9 +1,8 @@
 """One child process per run: the parent starts it, samples its memory, shows its progress and stops it.
 
 The parent writes a spec file and starts `python -m trl_dart_es.benchmark --child <spec>` (under `accelerate
-launch` for a multi-process row); the child (`trl_dart_es.benchmark.child`) trains, writes its result file
-and exits. Both the side-by-side rows (`run`) and the curves (`curves`) run their children through `spawn`,
-so neither imports the other.
+launch` for a multi-process row); the child (`child.child_main`) trains, writes its result file and exits. The
+side-by-side rows (`run`) and the curves (`curves`) both run their children through `spawn`.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,15 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from .machine import _gpu_name
-from .methods import METHODS, BenchMethod
+from .methods import METHODS, BenchMethod, _missing
 from .workload import LAUNCH_CONFIG_DIR, REPO_ROOT, Workload
-
-__all__ = ["launch_command", "peak_memory", "spawn", "tail"]
 
 
 def _tree_rss(pid: int) -> tuple[int, int]:
-    """RSS in bytes of a process and all its descendants, and of the largest single one of them ((0, 0) if
-    it is gone)."""
+    """RSS in bytes of a process and all its descendants, and of the largest one ((0, 0) if it is gone)."""
     try:
         import psutil
     except ImportError:  # the child's own ru_maxrss still gives a peak
@@ -51,6 +48,24 @@ def tail(path: Path, lines: int = 25) -> str:
     return ""
 
 
+def last_line(text: str | None, default: str = "") -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1] if lines else default
+
+
+def failure(observed: dict) -> dict[str, str]:
+    """`status` and `error` of a child that returned no result: its error, else its log's tail."""
+    error = observed.get("error") or (tail(Path(observed["log"])) if observed.get("log") else "")
+    return {"status": "timeout" if observed.get("timed_out") else "failed", "error": error}
+
+
+def free_port() -> int:
+    """A free TCP port for a launch's rendezvous: other jobs on the machine may launch at the same time."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn(
     name: str,
     workload: Workload,
@@ -63,8 +78,12 @@ def spawn(
     """Run one child to completion; return its result (None on failure) and what the parent observed.
 
     `extra` is added to the child's spec (e.g. a curve's mode, seed and budget); `stem` names its files in
-    `work_dir` (default: `name`).
+    `work_dir` (default: `name`). A method whose `requires` are missing is not started.
     """
+    method = METHODS.get(name)
+    missing = _missing(method.requires) if method is not None else []
+    if missing:
+        return None, {"error": f"missing modules: {', '.join(missing)}", "wall_s": 0.0}
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or name
@@ -77,7 +96,6 @@ def spawn(
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "trl_dart_es.benchmark", "--child", str(spec_path)]
-    method = METHODS.get(name)
     if method is not None and method.launch is not None:
         cmd, launch_env = launch_command(method, workload, cmd[1:])
         env.update(launch_env)
@@ -115,23 +133,15 @@ def launch_command(method: BenchMethod, workload: Workload, child: list[str]) ->
     """`accelerate launch` of the child module with the method's Accelerate config (its CPU or its CUDA one)
     on `method.processes` processes, and the environment it needs (threads split over the processes, a
     persistent cache for DeepSpeed's compiled CPU op)."""
-    import socket
-
     cpu_config, cuda_config = method.launch
     on_cuda = workload.device == "cuda" or (workload.device == "auto" and _gpu_name() is not None)
-    with socket.socket() as s:  # a free port: other jobs on the machine may launch at the same time
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(LAUNCH_CONFIG_DIR / (cuda_config if on_cuda else cpu_config)),
-        "--num_processes", str(method.processes), "--main_process_port", str(port), *child,
+        "--num_processes", str(method.processes), "--main_process_port", str(free_port()), *child,
     ]  # fmt: skip
-    env = {
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions")
-        )
-    }
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    env = {"TORCH_EXTENSIONS_DIR": extensions}
     if not on_cuda:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // method.processes))
     return cmd, env
@@ -152,13 +162,12 @@ def peak_memory(result: dict, observed: dict) -> dict[str, Any]:
 
     `peak_mem_mb`: on CPU the peak RSS of the whole process tree (the parent's samples, or the kernel's
     `ru_maxrss`, whichever is larger); on CUDA the sum over processes of `max_memory_reserved`.
-    `peak_mem_mb_max_process`: the largest single process, what one device must hold.
+    `peak_mem_mb_max_process`: the largest single process (what one device must hold): the kernel's peak of
+    each training process or the parent's samples of the largest process, whichever is larger.
     """
     cuda = result.get("peak_cuda_reserved_mb")
     cpu_peak = max(observed.get("peak_tree_rss_mb", 0.0), result.get("peak_rss_self_mb", 0.0),
                    result.get("peak_rss_children_mb", 0.0))  # fmt: skip
-    # The largest single process (what one device must hold): the kernel's peak of each training process, or
-    # the parent's samples of the largest process in the tree, whichever is larger.
     ranks = result.get("ranks") or [result]
     one_peak = max(
         [observed.get("peak_process_rss_mb", 0.0)] + [r.get("peak_rss_self_mb", 0.0) for r in ranks]

@@ -1,4 +1,5 @@
-"""The side-by-side benchmark's report: latest.json (one row per method), latest.md (a table) and latest.png."""
+"""The side-by-side benchmark's report: latest.json (one row per method), latest.md (a table) and latest.png;
+and the helpers every report uses (tables, intervals, plots)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .methods import METHODS
+from .process import last_line
 from .workload import Workload
 
 ROW_KEYS = (
@@ -16,6 +18,43 @@ ROW_KEYS = (
 )  # fmt: skip
 
 
+# ------------------------------------------------------------------------------ helpers of every report
+def table(intro: str, header: str, align: str, rows: Sequence[str]) -> list[str]:
+    """Markdown lines: a blank line, `intro`, a blank line and a table of `rows` (none without rows)."""
+    return ["", intro, "", header, align, *rows] if rows else []
+
+
+def interval(low: float, high: float) -> str:
+    """A fraction's interval in points: `[-1.2, +3.4]`."""
+    return f"[{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only: the harness never opens a window)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """A run file is either complete or absent: write a temporary file, then rename it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------ latest.{json,md,png}
 def _add_relative(rows: list[dict], reference: str = "grpo") -> None:
     """`step_time_vs_grpo` and `peak_mem_vs_grpo`: fractional change against GRPO (-0.3 = 30% less)."""
     ref = next((r for r in rows if r["method"] == reference and r["status"] == "ok"), None)
@@ -64,45 +103,29 @@ def render_markdown(rows: Sequence[dict], workload: Workload | None = None) -> s
             f"| {_fmt_rel(r.get('step_time_vs_grpo'))} | {_fmt(mem, '.2f')} | {_fmt_rel(r.get('peak_mem_vs_grpo'))} "
             f"| {_fmt(r.get('tokens_per_s'), '.1f')} | {_fmt_acc(r.get('acc_before'))} | {_fmt_acc(r.get('acc_after'))} |"
         )
-    kinds = {r.get("mem_kind") for r in rows if r.get("mem_kind")}
+    cpu_only = {r.get("mem_kind") for r in rows if r.get("mem_kind")} <= {"cpu_peak_rss"}
+    memory = "peak RSS of the method's process tree (CPU)" if cpu_only else (
+        "torch.cuda.max_memory_reserved (CUDA) / peak RSS (CPU)"
+    )  # fmt: skip
     lines += [
         "",
-        "time/step: median wall time of one training step after warm-up. peak memory: "
-        + (
-            "peak RSS of the method's process tree (CPU)"
-            if kinds <= {"cpu_peak_rss"}
-            else "torch.cuda.max_memory_reserved (CUDA) / peak RSS (CPU)"
-        )  # fmt: skip
-        + ". tokens/s: completion tokens generated per second of training (`inference`: of generation). Accuracy: greedy, same prompts and "
-        "evaluation code for every method. vs GRPO: change relative to the `grpo` row (negative = less).",
+        f"time/step: median wall time of one training step after warm-up. peak memory: {memory}. tokens/s: "
+        "completion tokens generated per second of training (`inference`: of generation). Accuracy: greedy, same "
+        "prompts and evaluation code for every method. vs GRPO: change relative to the `grpo` row (negative = "
+        "less).",
     ]
     lines += _throughput_lines(rows)
-    lines += _memory_per_process_lines(rows)
-    failed = [r for r in rows if r["status"] != "ok"]
-    for r in failed:
-        error = (r.get("error") or "").strip().splitlines()
-        lines += ["", f"`{r['method']}` {r['status']}: `{error[-1] if error else 'no output'}`"]
-    return "\n".join(lines) + "\n"
-
-
-def _memory_per_process_lines(rows: Sequence[dict]) -> list[str]:
-    """Peak memory of the whole process tree against the largest single process: memory per device."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("peak_mem_mb_max_process") is not None]
-    if not ok:
-        return []
-    lines = [
-        "",
+    lines += table(
         "Peak memory per process (the largest single process: what one device holds) against the whole tree:",
-        "",
-        "| method | processes | whole tree (GB) | largest process (GB) |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for r in ok:
-        lines.append(
-            f"| {r['method']} | {r.get('processes', 1)} | {r['peak_mem_mb'] / 1024:.2f} "
-            f"| {r['peak_mem_mb_max_process'] / 1024:.2f} |"
-        )
-    return lines
+        "| method | processes | whole tree (GB) | largest process (GB) |", "| --- | ---: | ---: | ---: |",
+        [f"| {r['method']} | {r.get('processes', 1)} | {r['peak_mem_mb'] / 1024:.2f} "
+         f"| {r['peak_mem_mb_max_process'] / 1024:.2f} |" for r in ok],
+    )  # fmt: skip
+    for r in rows:
+        if r["status"] != "ok":
+            lines += ["", f"`{r['method']}` {r['status']}: `{last_line(r.get('error'), 'no output')}`"]
+    return "\n".join(lines) + "\n"
 
 
 def _throughput_lines(rows: Sequence[dict]) -> list[str]:
@@ -128,22 +151,14 @@ def _throughput_lines(rows: Sequence[dict]) -> list[str]:
             and engine(name) == engine(reference)
         ]
         if items:  # an inference row alone has nothing to compare with it
-            lines += [
-                "",
-                f"Rollout throughput against pure batched inference ({ceiling:.1f} tokens/s, the `{reference}` row):",
-                "",
-                *items,
-            ]
+            lines += ["", f"Rollout throughput against pure batched inference ({ceiling:.1f} tokens/s, the "
+                      f"`{reference}` row):", "", *items]  # fmt: skip
     return lines
 
 
 def plot_results(rows: Sequence[dict], path: str | Path) -> None:
     """Bars of time per step and peak memory, and accuracy before/after, one group per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [r["method"] for r in rows]
     x = list(range(len(rows)))
 
@@ -160,9 +175,8 @@ def plot_results(rows: Sequence[dict], path: str | Path) -> None:
         heights = values(key, scale)
         ax.bar(x, heights, color=colors)
         for i, (h, r) in enumerate(zip(heights, rows, strict=True)):
-            ax.text(
-                i, h, f"{h:.1f}" if r["status"] == "ok" else r["status"], ha="center", va="bottom", fontsize=8
-            )
+            text = f"{h:.1f}" if r["status"] == "ok" else r["status"]
+            ax.text(i, h, text, ha="center", va="bottom", fontsize=8)
         ax.set_title(title)
     width = 0.38
     before, after = values("acc_before", 100), values("acc_after", 100)
@@ -179,9 +193,7 @@ def plot_results(rows: Sequence[dict], path: str | Path) -> None:
         ax.set_xticklabels(names, rotation=20, ha="right", fontsize=9)
     if rows:
         fig.suptitle(f"{rows[0]['rollouts_per_step']} rollouts per step; {rows[0]['machine']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_reports(
@@ -201,8 +213,7 @@ def merge_rows(new: list[dict], old: list[dict], workload: Workload) -> list[dic
     """Rows of `old` for methods not in `new`, kept only when they were measured on the same workload."""
     ran = {r["method"] for r in new}
     kept = [r for r in old if r["method"] not in ran and r.get("workload") == workload.comparable()]
-    merged = kept + new
     order = {name: i for i, name in enumerate(METHODS)}
-    merged.sort(key=lambda r: order.get(r["method"], len(order)))
+    merged = sorted(kept + new, key=lambda r: order.get(r["method"], len(order)))
     _add_relative(merged)
     return merged

@@ -1,7 +1,5 @@
 """The side-by-side benchmark (`run_benchmark`): one row per method, each trained in its own child process
-(`process.spawn`, so that its peak memory is its own); the runners here are what the child runs
-(`child.child_main`).
-"""
+(`process.spawn`, so that its peak memory is its own); the runners here are what the child runs."""
 
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from typing import Any
 from .clock import StepClock
 from .evaluation import evaluate_workload
 from .machine import machine_description, utc_now
-from .methods import METHODS, BenchMethod, _missing_requirements
-from .process import peak_memory, spawn, tail
+from .methods import METHODS, BenchMethod
+from .process import failure, last_line, peak_memory, spawn
 from .report import ROW_KEYS, _add_relative, _fmt_acc
 from .trainers import _per_step, _use_cuda, build_trainer, es_trainer
 from .workload import Workload
@@ -32,21 +30,13 @@ def _run_training(method: BenchMethod, workload: Workload, progress: Callable[[s
         trainer, config, batches = build_trainer(method, workload, out, [clock.callback()])
         trainer.train()
         history = trainer.state.log_history
-        result = {
-            "config": config,
-            "trainer": trainer,
-            "reward_weights": trainer.args.reward_weights,
-            **batches,
-            "step_times_s": clock.wall_step_times,
-            "completion_tokens": [
-                m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")
-            ],
-            "train_reward": _per_step(history, "reward"),
-        }
+        tokens = [m * workload.rollouts_per_step for m in _per_step(history, "completions/mean_length")]
+        result = {"config": config, "trainer": trainer, "reward_weights": trainer.args.reward_weights, **batches,
+                  "step_times_s": clock.wall_step_times, "completion_tokens": tokens,
+                  "train_reward": _per_step(history, "reward")}  # fmt: skip
         if method.kind == "es":  # DART-ES logs its generation throughput; GRPO does not
-            result["generation_tokens_per_s"] = _median_or_nan(
-                _per_step(history, "tokens_per_s")[workload.warmup_steps :]
-            )
+            generation = _per_step(history, "tokens_per_s")[workload.warmup_steps :]
+            result["generation_tokens_per_s"] = _median_or_nan(generation)
         return result
 
 
@@ -95,54 +85,36 @@ def _baseline(workload: Workload, progress: Callable[[str], None]) -> dict[str, 
     return {"eval": evaluate_workload(model, tokenizer, workload)}
 
 
-# ---------------------------------------------------------------------------------------------- summaries
 def _median_or_nan(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
 def summarize_run(step_times: Sequence[float], completion_tokens: Sequence[float], warmup_steps: int) -> dict:
-    """Median step time and rollout throughput over the steps after warm-up.
-
-    With no step left after warm-up, every step counts (and `timed_steps` says how many did).
-    """
+    """Median step time and rollout throughput over the steps after warm-up (every step, and `timed_steps`
+    says so, when none is left after warm-up)."""
     times = list(step_times)
     timed = times[warmup_steps:] if len(times) > warmup_steps else times
     first = len(times) - len(timed)
     tokens = list(completion_tokens)[first : first + len(timed)]
-    rate = (
-        sum(tokens) / sum(timed[: len(tokens)]) if tokens and sum(timed[: len(tokens)]) > 0 else float("nan")
-    )
+    seconds = sum(timed[: len(tokens)])
+    rate = sum(tokens) / seconds if tokens and seconds > 0 else float("nan")
     return {"step_time_s_median": _median_or_nan(timed), "tokens_per_s": rate, "timed_steps": len(timed)}
-
-
-# ------------------------------------------------------------------------------------------ parent: runs
 
 
 def _row(method: BenchMethod, workload: Workload, result: dict | None, observed: dict, context: dict) -> dict:
     row: dict[str, Any] = {
-        "method": method.name,
-        "description": method.description,
-        "status": "ok",
-        "rollouts_per_step": workload.rollouts_per_step,
-        "step_time_s_median": None,
-        "peak_mem_mb": None,
-        "peak_mem_mb_max_process": None,
-        "tokens_per_s": None,
-        "acc_before": context["acc_before"],
-        "acc_after": None,
-        **{k: context[k] for k in ("machine", "date", "command")},
+        "method": method.name, "description": method.description, "status": "ok",
+        "rollouts_per_step": workload.rollouts_per_step, "step_time_s_median": None, "peak_mem_mb": None,
+        "peak_mem_mb_max_process": None, "tokens_per_s": None, "acc_before": context["acc_before"],
+        "acc_after": None, **{k: context[k] for k in ("machine", "date", "command")},
         "workload": workload.comparable(),
-    }
+    }  # fmt: skip
     if result is None:
-        row["status"] = "timeout" if observed.get("timed_out") else "failed"
-        row["error"] = observed.get("error") or (tail(Path(observed["log"])) if observed.get("log") else "")
-        row["wall_s"] = observed.get("wall_s")
-        return row
+        return {**row, **failure(observed), "wall_s": observed.get("wall_s")}
     summary = summarize_run(result["step_times_s"], result["completion_tokens"], workload.warmup_steps)
-    memory = peak_memory(result, observed)
     row.update(
         step_time_s_median=summary["step_time_s_median"],
-        **memory,
+        **peak_memory(result, observed),
         tokens_per_s=summary["tokens_per_s"],
         acc_after=result["eval"]["accuracy"] if "eval" in result else None,
         timed_steps=summary["timed_steps"],
@@ -152,11 +124,9 @@ def _row(method: BenchMethod, workload: Workload, result: dict | None, observed:
         device=result.get("device"),
         wall_s=observed["wall_s"],
     )
-    for key in ("peak_cuda_allocated_mb", "generation_tokens_per_s", "micro_batch", "gradient_accumulation_steps",
-                "train_reward"):  # fmt: skip
-        if key in result:
-            row[key] = result[key]
-    return row
+    extra = ("peak_cuda_allocated_mb", "generation_tokens_per_s", "micro_batch", "gradient_accumulation_steps",
+             "train_reward")  # fmt: skip
+    return {**row, **{k: result[k] for k in extra if k in result}}
 
 
 def run_benchmark(
@@ -173,14 +143,8 @@ def run_benchmark(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {sorted(METHODS)}")
-    work_dir = Path(work_dir)
     workload = workload.resolved()
-    context = {
-        "machine": machine_description(),
-        "date": utc_now(),
-        "command": command,
-        "acc_before": None,
-    }
+    context = {"machine": machine_description(), "date": utc_now(), "command": command, "acc_before": None}
     rows = []
     with tqdm(total=len(methods) + 1, desc="baseline eval", unit="run", disable=not show_progress) as bar:
         result, observed = spawn("_baseline", workload, work_dir, bar)
@@ -191,16 +155,10 @@ def run_benchmark(
             tqdm.write(f"baseline evaluation failed (rc {observed['rc']}); see {observed['log']}")
         bar.update()
         for name in methods:
-            method = METHODS[name]
             bar.set_description(f"{name}")
-            missing = _missing_requirements(method)
-            if missing:
-                result, observed = None, {"error": f"missing modules: {', '.join(missing)}", "wall_s": 0.0}
-            else:
-                result, observed = spawn(name, workload, work_dir, bar)
-            row = _row(method, workload, result, observed, context)
-            rows.append(row)
-            tqdm.write(_one_line(row))
+            result, observed = spawn(name, workload, work_dir, bar)
+            rows.append(_row(METHODS[name], workload, result, observed, context))
+            tqdm.write(_one_line(rows[-1]))
             bar.update()
     _add_relative(rows)
     return rows
@@ -208,8 +166,7 @@ def run_benchmark(
 
 def _one_line(row: dict) -> str:
     if row["status"] != "ok":
-        tail = (row.get("error") or "").strip().splitlines()
-        return f"{row['method']:<16} {row['status'].upper()}: {tail[-1] if tail else ''}"
+        return f"{row['method']:<16} {row['status'].upper()}: {last_line(row.get('error'))}"
     return (
         f"{row['method']:<16} {row['step_time_s_median']:8.1f} s/step  {row['peak_mem_mb'] / 1024:6.2f} GB  "
         f"{row['tokens_per_s']:7.1f} tok/s  acc {_fmt_acc(row['acc_before'])} -> {_fmt_acc(row['acc_after'])}"

@@ -12,8 +12,6 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["t_quantile", "t_cdf", "paired_t_interval", "bootstrap_interval", "includes_zero"]
-
 
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the incomplete beta function (modified Lentz; Numerical Recipes' betacf)."""
@@ -44,9 +42,8 @@ def _betainc(a: float, b: float, x: float) -> float:
         return 0.0
     if x >= 1.0:
         return 1.0
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    front = math.exp(log_front)
     # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use the symmetry otherwise.
     if x < (a + 1.0) / (a + b + 2.0):
         return front * _betacf(a, b, x) / a
@@ -62,10 +59,8 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def t_quantile(q: float, df: float) -> float:
-    """The `q` quantile of Student's t with `df` degrees of freedom (e.g. q = 0.975, df = 2 gives 4.303).
-
-    Solved by bisection on `t_cdf`, to about 1e-10.
-    """
+    """The `q` quantile of Student's t with `df` degrees of freedom (q = 0.975, df = 2: 4.303), by bisection on
+    `t_cdf` to about 1e-10."""
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q}")
     if q < 0.5:
@@ -85,21 +80,16 @@ def t_quantile(q: float, df: float) -> float:
 
 
 def paired_t_interval(diffs: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of paired differences (one per seed) and its two-sided t-interval.
-
-    With fewer than two differences there is no interval: the bounds are nan.
-    """
+    """(mean, low, high): the mean of paired differences (one per seed) and its two-sided t-interval (nan
+    bounds with fewer than two differences)."""
     values = [float(d) for d in diffs]
     if not values:
         return math.nan, math.nan, math.nan
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, math.nan, math.nan
-    half = (
-        t_quantile(0.5 + confidence / 2.0, len(values) - 1)
-        * statistics.stdev(values)
-        / math.sqrt(len(values))
-    )
+    t = t_quantile(0.5 + confidence / 2.0, len(values) - 1)
+    half = t * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
 
 
@@ -110,11 +100,9 @@ def bootstrap_interval(
     resamples: int = 10_000,
     seed: int = 0,
 ) -> tuple[float, float, float]:
-    """(statistic, low, high): a percentile bootstrap interval of `statistic` over `values`.
-
-    With a handful of seeds the bootstrap interval is too narrow (it cannot see beyond the values drawn); the
-    t-interval is the one to report then. With fewer than two values the bounds are nan.
-    """
+    """(statistic, low, high): a percentile bootstrap interval of `statistic` over `values` (nan bounds with
+    fewer than two). With a handful of seeds it is too narrow (it cannot see beyond the values drawn): report
+    the t-interval then."""
     data = [float(v) for v in values]
     if not data:
         return math.nan, math.nan, math.nan

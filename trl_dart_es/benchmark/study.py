@@ -1,19 +1,12 @@
 """The learning study behind the defaults, as presets of `--curves`: which settings make DART-ES learn on the
-embedded model.
-
-    python -m trl_dart_es.benchmark --curves --preset demo --seeds 0        # screen one preset on one seed
-    python -m trl_dart_es.benchmark --curves --preset demo --seeds 0 1 2    # confirm (finished runs are skipped)
-    python -m trl_dart_es.benchmark --curves --preset                       # redraw results/study.{json,md,png}
+embedded model (usage: docs/benchmarks.md).
 
 Every preset is the pre-study demo recipe (recipes/configs/quickstart_fullrank.yaml, kept fixed) with the
-overrides in benchmarks/study_presets.yaml, trained for its number of steps (or its train-time budget). Unlike a
-curve (a method's recipe, marks of training time, the harness's greedy evaluation), a preset keeps the study's
-schedule, so that its numbers mean what they meant: held-out greedy accuracy of the unperturbed model by the
-trainer's own evaluation (`DartESTrainer.evaluate`, on `--eval-prompts` test prompts, default 256, disjoint from
-train, in the preset's prompt style and completion length) at step 0 (the one cache of the untrained score),
-every `--eval-every` steps (or the preset's own `eval_every`) and at the last step. Training time is the
-harness's `StepClock` (ES steps only, not evaluation). Each finished (preset, seed) is written to
-results/study_runs/ at once, so an interrupted study loses at most the run in progress.
+overrides in benchmarks/study_presets.yaml, trained in-process for its steps (or its train-time budget). Unlike a
+curve, a preset keeps the study's schedule, so that its numbers mean what they meant: the trainer's own greedy
+evaluation (`DartESTrainer.evaluate`, `--eval-prompts` test prompts in the preset's prompt style and length) at
+step 0 (the one cache of the untrained score), every `--eval-every` steps (or the preset's `eval_every`) and at
+the last step; training time is the harness's `StepClock`. Each finished (preset, seed) is written at once.
 """
 
 from __future__ import annotations
@@ -31,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from .clock import StepClock
+from .curves import curve_run_path
 from .machine import machine_description, machines_summary, utc_now
+from .report import interval, pyplot, save_figure, table, write_json_atomic
 from .stats import paired_t_interval
 from .workload import REPO_ROOT
 
@@ -50,8 +45,12 @@ HARNESS_KEYS = (
     "task_version",
     "validation_prompts",
 )
+_TRANSFER = ("template_held_out", "template_seen", "wording_held_out", "wording_seen")
+_TRAIN_LOG_KEYS = ("step", "reward", "rewards/gsm8k_format_reward/mean", "completions/mean_length",
+                   "dart/frac_solved_by_none", "dart/frac_solved_by_all", "dart/buffer_size")  # fmt: skip
 
 
+# ----------------------------------------------------------------------------------------- presets
 def load_presets(path: str | Path = PRESETS_FILE) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
     """(preset name -> overrides of quickstart_fullrank.yaml, in file order; the (first, second) pairs of the
     report). A preset's `base` presets are applied first, in order, then its `drop` keys removed, then its own
@@ -73,9 +72,13 @@ def load_presets(path: str | Path = PRESETS_FILE) -> tuple[dict[str, dict[str, A
     return {k: v for k, v in resolved.items() if not k.startswith("_")}, pairs
 
 
+@functools.cache
+def _presets_and_pairs() -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
+    return load_presets()  # read on first use: the harness's parent reads no file it does not need
+
+
 def presets() -> dict[str, dict[str, Any]]:
-    """The presets of benchmarks/study_presets.yaml, read once (on first use: the harness's parent process reads
-    no file it does not need)."""
+    """The presets of benchmarks/study_presets.yaml."""
     return _presets_and_pairs()[0]
 
 
@@ -84,9 +87,9 @@ def pairs() -> list[tuple[str, str]]:
     return _presets_and_pairs()[1]
 
 
-@functools.cache
-def _presets_and_pairs() -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
-    return load_presets()
+def eval_every(name: str, args: argparse.Namespace) -> int:
+    """Steps between held-out evaluations: the preset's own `eval_every` (a long run), else `--eval-every`."""
+    return presets()[name].get("eval_every", args.eval_every)
 
 
 def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -97,11 +100,6 @@ def _settings(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def eval_every(name: str, args: argparse.Namespace) -> int:
-    """Steps between held-out evaluations: the preset's own `eval_every` (a long run), else `--eval-every`."""
-    return presets()[name].get("eval_every", args.eval_every)
-
-
 def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tuple:
     """``(script_args, DartESConfig, model_args, prompt_style, budget_minutes)`` of one (preset, seed) run:
     quickstart_fullrank.yaml with the preset's overrides; a budget replaces the step count (the clock stops
@@ -109,11 +107,9 @@ def preset_config(name: str, seed: int, output_dir: str, eval_every: int) -> tup
     from ..trainer import DartESConfig
     from .trainers import parse_recipe_config
 
-    variant = dict(presets()[name])
-    style = variant.get("prompt_style", "steps")
-    budget = variant.get("budget_minutes")
-    for key in HARNESS_KEYS:
-        variant.pop(key, None)
+    variant = {k: v for k, v in presets()[name].items() if k not in HARNESS_KEYS}
+    style = presets()[name].get("prompt_style", "steps")
+    budget = presets()[name].get("budget_minutes")
     if budget:
         variant["max_steps"] = 10_000
     values = {
@@ -132,35 +128,33 @@ def task_options(name: str) -> dict[str, Any]:
     return {"version": version} if version is not None else {}
 
 
+def _split(name: str, dataset_name: str, split: str, style: str, **options: Any):
+    from ..tasks import load_task_dataset
+
+    return load_task_dataset(dataset_name, split, prompt_style=style, **options, **task_options(name))
+
+
 def train_split(name: str, dataset_name: str, style: str):
     """The preset's train set: the task's train split in `style` (and `task_version`), restricted to its
     `train_levels` if set."""
-    from ..tasks import load_task_dataset
-
     levels = presets()[name].get("train_levels")
-    options = {"levels": tuple(levels)} if levels else {}
-    return load_task_dataset(dataset_name, "train", prompt_style=style, **options, **task_options(name))
+    return _split(name, dataset_name, "train", style, **({"levels": tuple(levels)} if levels else {}))
 
 
+# ----------------------------------------------------------------------------------------- runs
 def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train one (preset, seed) run in this process; return its held-out accuracy curve against steps and train
     seconds."""
-    from ..tasks import load_task_dataset
     from ..trainer import DartESTrainer
     from ..trainer.baseline import evaluate_untrained
 
     with tempfile.TemporaryDirectory(prefix=f"study-{name}-{seed}-") as out:
         script_args, cfg, model_args, style, budget = preset_config(name, seed, out, eval_every(name, args))
-        train = train_split(name, script_args.dataset_name, style)
-        held_out = load_task_dataset(
-            script_args.dataset_name,
-            "test",
-            prompt_style=style,
-            num_examples=args.eval_prompts,
-            **task_options(name),
-        )
+        dataset = script_args.dataset_name
+        train = train_split(name, dataset, style)
+        held_out = _split(name, dataset, "test", style, num_examples=args.eval_prompts)
         clock = StepClock(budget * 60 if budget else None)
-        validation = _validation_scores(name, script_args.dataset_name, style)
+        validation = _validation_scores(name, dataset, style)
         trainer = DartESTrainer(
             model=model_args.model_name_or_path,
             reward_funcs=script_args.load_reward_funcs(),
@@ -178,33 +172,20 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
         wall = time.perf_counter() - started
         history = trainer.state.log_history
 
-    def groups(metrics: dict[str, Any]) -> dict[str, float]:  # held-out accuracy per level and wording
-        return {
+    def point(step: int, seconds: float, metrics: dict[str, Any]) -> dict[str, Any]:
+        groups = {
             k.removeprefix("eval_accuracy/"): v for k, v in metrics.items() if k.startswith("eval_accuracy/")
         }
+        out = {"step": step, "train_seconds": seconds, "accuracy": metrics["eval_accuracy"], "groups": groups}
+        if step in validation.accuracy:
+            out["validation_accuracy"] = validation.accuracy[step]
+        return out
 
-    points = [
-        {"step": 0, "train_seconds": 0.0, "accuracy": at_start["eval_accuracy"], "groups": groups(at_start)}
+    points = [point(0, 0.0, at_start)]
+    points += [
+        point(int(e["step"]), clock.at_step[int(e["step"])], e) for e in history if "eval_accuracy" in e
     ]
-    for e in history:
-        if "eval_accuracy" in e:
-            step = int(e["step"])
-            points.append(
-                {
-                    "step": step,
-                    "train_seconds": clock.at_step[step],
-                    "accuracy": e["eval_accuracy"],
-                    "groups": groups(e),
-                }
-            )
-    for point in points:
-        if point["step"] in validation.accuracy:
-            point["validation_accuracy"] = validation.accuracy[point["step"]]
-    train_log = [
-        {k: e[k] for k in ("step", "reward", "rewards/gsm8k_format_reward/mean", "completions/mean_length",
-                           "dart/frac_solved_by_none", "dart/frac_solved_by_all", "dart/buffer_size") if k in e}
-        for e in history if "reward" in e
-    ]  # fmt: skip
+    train_log = [{k: e[k] for k in _TRAIN_LOG_KEYS if k in e} for e in history if "reward" in e]
     del trainer
     gc.collect()
     return {
@@ -217,20 +198,12 @@ def run_preset(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]
 def _validation_scores(name: str, dataset_name: str, style: str):
     """A callback that, with the preset's `validation_prompts`, scores greedy accuracy on that many prompts of the
     validation split (no question shared with train or test) wherever the test set is evaluated, so that the
-    report can pick each run's checkpoint on validation, as `load_best_model_at_end` would, and read its test
-    accuracy. `.accuracy` maps step to accuracy; set `.trainer` before training."""
+    report can pick each run's checkpoint on validation, as `load_best_model_at_end` would. `.accuracy` maps step
+    to accuracy; set `.trainer` before training."""
     from transformers import TrainerCallback
 
-    from ..tasks import load_task_dataset
-
     size = int(presets()[name].get("validation_prompts", 0))
-    data = (
-        load_task_dataset(
-            dataset_name, "validation", prompt_style=style, num_examples=size, **task_options(name)
-        )
-        if size
-        else None
-    )
+    data = _split(name, dataset_name, "validation", style, num_examples=size) if size else None
 
     class ValidationScores(TrainerCallback):
         def __init__(self):
@@ -239,8 +212,7 @@ def _validation_scores(name: str, dataset_name: str, style: str):
 
         def score(self, step: int) -> None:
             if data is not None:
-                metrics = self.trainer.evaluate_dataset(data, "validation")
-                self.accuracy[step] = metrics["validation_accuracy"]
+                self.accuracy[step] = self.trainer.evaluate_dataset(data, "validation")["validation_accuracy"]
 
         def on_evaluate(self, args, state, control, **kwargs):
             self.score(state.global_step)
@@ -248,6 +220,40 @@ def _validation_scores(name: str, dataset_name: str, style: str):
     return ValidationScores()
 
 
+def load_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The finished runs in `args.runs_dir` of known presets whose settings are the current ones."""
+    runs = [json.loads(path.read_text()) for path in sorted(Path(args.runs_dir).glob("*-seed*.json"))]
+    return [r for r in runs if r["variant"] in presets() and r["settings"] == _settings(r["variant"], args)]
+
+
+def study_main(args: argparse.Namespace, names: list[str]) -> None:
+    """`--curves --preset`: run every (preset, seed) not finished yet, then write the report over all finished
+    runs."""
+    unknown = [name for name in names if name not in presets()]
+    if unknown:
+        raise SystemExit(f"unknown presets {unknown}; known: {', '.join(presets())}")
+    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        for seed in args.seeds:
+            path = curve_run_path(args.runs_dir, name, seed)
+            if (
+                not args.force
+                and path.is_file()
+                and json.loads(path.read_text())["settings"] == _settings(name, args)
+            ):
+                print(f"skip {name} seed {seed}: finished")
+                continue
+            print(f"run {name} seed {seed} ...", flush=True)
+            result = run_preset(name, seed, args)
+            write_json_atomic(path, result)
+            curve = ", ".join(f"{p['step']}:{100 * p['accuracy']:.1f}%" for p in result["points"])
+            print(
+                f"done {name} seed {seed}: {curve} ({result['train_seconds'] / 60:.1f} train min)", flush=True
+            )
+    report(args)
+
+
+# ----------------------------------------------------------------------------------------- report
 def _rollouts_per_step(variant: dict[str, Any]) -> int:
     from ..layout import PopulationLayout
 
@@ -255,18 +261,18 @@ def _rollouts_per_step(variant: dict[str, Any]) -> int:
     return layout.rollouts(variant["population_size"], variant["per_device_train_batch_size"])
 
 
-def run_path(runs_dir: str | Path, name: str, seed: int) -> Path:
-    return Path(runs_dir) / f"{name}-seed{seed}.json"
+def _by_variant(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of each preset that has any, in the presets' order."""
+    return {name: mine for name in presets() if (mine := [r for r in runs if r["variant"] == name])}
 
 
-def load_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The finished runs in `args.runs_dir` of known presets whose settings are the current ones."""
-    runs = []
-    for path in sorted(Path(args.runs_dir).glob("*-seed*.json")):
-        run = json.loads(path.read_text())
-        if run["variant"] in presets() and run["settings"] == _settings(run["variant"], args):
-            runs.append(run)
-    return runs
+def _seeds(mine: list[dict[str, Any]]) -> str:
+    return ", ".join(str(r["seed"]) for r in mine)
+
+
+def _ci(values: list[float]) -> str:
+    """The 95% t-interval of `values` in points, or "n/a" for fewer than 2."""
+    return interval(*paired_t_interval(values)[1:]) if len(values) >= 2 else "n/a"
 
 
 def report(args: argparse.Namespace) -> None:
@@ -276,13 +282,9 @@ def report(args: argparse.Namespace) -> None:
         print("no finished runs", file=sys.stderr)
         return
     rows = []
-    for name in presets():
-        mine = [r for r in runs if r["variant"] == name]
-        if not mine:
-            continue
+    for name, mine in _by_variant(runs).items():
         gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in mine]
         mean, lo, hi = paired_t_interval(gains)
-        v = presets()[name]
         rows.append({
             "variant": name, "seeds": sorted(r["seed"] for r in mine),
             "acc_start": mine[0]["points"][0]["accuracy"],
@@ -290,7 +292,7 @@ def report(args: argparse.Namespace) -> None:
             "gain_mean": mean, "gain_ci95": [lo, hi], "gains": gains,
             "train_min": statistics.fmean(r["train_seconds"] for r in mine) / 60,
             "steps": statistics.fmean(r["points"][-1]["step"] for r in mine),
-            "rollouts": mine[0]["points"][-1]["step"] * _rollouts_per_step(v),
+            "rollouts": mine[0]["points"][-1]["step"] * _rollouts_per_step(presets()[name]),
         })  # fmt: skip
     out = Path(args.output_dir) / "study"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -313,47 +315,20 @@ def report(args: argparse.Namespace) -> None:
         "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
     for r in rows:
-        ci = (
-            "n/a"
-            if math.isnan(r["gain_ci95"][0])
-            else f"[{100 * r['gain_ci95'][0]:+.1f}, {100 * r['gain_ci95'][1]:+.1f}]"
-        )
+        ci = "n/a" if math.isnan(r["gain_ci95"][0]) else interval(*r["gain_ci95"])
         lines.append(
             f"| {r['variant']} | {', '.join(map(str, r['seeds']))} | {r['rollouts']} | {100 * r['acc_start']:.1f}% "
             f"| {100 * r['acc_final_mean']:.1f}% | {100 * r['gain_mean']:+.1f} | {ci} "
             f"| {', '.join(f'{100 * g:+.1f}' for g in r['gains'])} | {r['train_min']:.1f} |"
         )
-    if paired:
-        lines += [
-            "",
-            "Paired by seed (the first minus the second, in points; 95% t-interval), on final accuracy and on the"
-            " gain over each variant's own step 0:",
-            "",
-            "| first | second | seeds | measure | differences | mean | 95% CI | |",
-            "| --- | --- | --- | --- | --- | ---: | --- | --- |",
-        ]
-        for p in paired:
-            for measure, key in (("final accuracy", ""), ("gain", "gain_")):
-                lo, hi = p[f"{key}ci95"]
-                verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
-                if p.get("seeds_on_two_cpus"):
-                    verdict += f"; seeds {', '.join(map(str, p['seeds_on_two_cpus']))} ran on two CPU models"
-                lines.append(
-                    f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} | {measure} "
-                    f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
-                    f"| {100 * p[f'{key}mean']:+.1f} | [{100 * lo:+.1f}, {100 * hi:+.1f}] | {verdict} |"
-                )
-    lines += _steps_table(runs) + _transfer_table(runs) + _picked_table(runs)
+    lines += _paired_table(paired) + _steps_table(runs) + _transfer_table(runs) + _picked_table(runs)
     lines += [
         "",
         "Variants (overrides of recipes/configs/quickstart_fullrank.yaml, from benchmarks/study_presets.yaml):",
         "",
     ]
-    lines += [
-        f"- `{name}`: `{json.dumps(presets()[name])}`"
-        for name in presets()
-        if any(r["variant"] == name for r in rows)
-    ]
+    shown = {r["variant"] for r in rows}
+    lines += [f"- `{name}`: `{json.dumps(v)}`" for name, v in presets().items() if name in shown]
     lines += ["", "![accuracy against train minutes](study.png)"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(runs, out.with_suffix(".png"))
@@ -372,13 +347,26 @@ def _flags(args: argparse.Namespace) -> str:
     return flags
 
 
-def _by_variant(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for name in presets():
-        mine = [r for r in runs if r["variant"] == name]
-        if mine:
-            out[name] = mine
-    return out
+def _paired_table(paired: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for p in paired:
+        for measure, key in (("final accuracy", ""), ("gain", "gain_")):
+            lo, hi = p[f"{key}ci95"]
+            verdict = "includes zero" if lo <= 0 <= hi else "excludes zero"
+            if p.get("seeds_on_two_cpus"):
+                verdict += f"; seeds {', '.join(map(str, p['seeds_on_two_cpus']))} ran on two CPU models"
+            rows.append(
+                f"| {p['first']} | {p['second']} | {', '.join(map(str, p['seeds']))} | {measure} "
+                f"| {', '.join(f'{100 * d:+.1f}' for d in p[f'{key}differences'])} "
+                f"| {100 * p[f'{key}mean']:+.1f} | {interval(lo, hi)} | {verdict} |"
+            )
+    return table(
+        "Paired by seed (the first minus the second, in points; 95% t-interval), on final accuracy and on the"
+        " gain over each variant's own step 0:",
+        "| first | second | seeds | measure | differences | mean | 95% CI | |",
+        "| --- | --- | --- | --- | --- | ---: | --- | --- |",
+        rows,
+    )
 
 
 def _steps_table(runs: list[dict[str, Any]]) -> list[str]:
@@ -394,20 +382,13 @@ def _steps_table(runs: list[dict[str, Any]]) -> list[str]:
             cells.append(
                 f"{step}: {100 * statistics.fmean(accs):.1f}%" + ("" if len(accs) == len(mine) else "*")
             )
-        rows.append(f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {'; '.join(cells)} |")
-    if not rows:
-        return []
-    return [
-        "",
+        rows.append(f"| {name} | {_seeds(mine)} | {'; '.join(cells)} |")
+    return table(
         "Held-out accuracy at each evaluated step (mean over the seeds):",
-        "",
         "| variant | seeds | step: accuracy |",
         "| --- | --- | --- |",
-        *rows,
-    ]
-
-
-_TRANSFER = ("template_held_out", "template_seen", "wording_held_out", "wording_seen")
+        rows,
+    )
 
 
 def _transfer_table(runs: list[dict[str, Any]]) -> list[str]:
@@ -425,22 +406,17 @@ def _transfer_table(runs: list[dict[str, Any]]) -> list[str]:
             gains = [r["points"][-1]["groups"][key] - r["points"][0]["groups"][key] for r in mine]
             cell = f"{100 * before:.1f}% → {100 * after:.1f}% ({100 * (after - before):+.1f}"
             if len(gains) > 1:
-                _, lo, hi = paired_t_interval(gains)
-                cell += f" [{100 * lo:+.1f}, {100 * hi:+.1f}], min {100 * min(gains):+.1f}"
+                cell += f" {_ci(gains)}, min {100 * min(gains):+.1f}"
             cells.append(cell + ")")
-        rows.append(f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {' | '.join(cells)} |")
-    if not rows:
-        return []
-    return [
-        "",
+        rows.append(f"| {name} | {_seeds(mine)} | {' | '.join(cells)} |")
+    return table(
         "Transfer: accuracy before → after training (mean over the seeds) on rows that use a template, or names"
         " and objects, held out of the train split, and on rows that do not; in brackets the gain's 95% t-interval"
         " over the seeds, then the smallest seed's gain:",
-        "",
         "| variant | seeds | templates held out | templates seen | wordings held out | wordings seen |",
         "| --- | --- | --- | --- | --- | --- |",
-        *rows,
-    ]
+        rows,
+    )
 
 
 def picked_on_validation(run: dict[str, Any]) -> dict[str, Any] | None:
@@ -450,14 +426,6 @@ def picked_on_validation(run: dict[str, Any]) -> dict[str, Any] | None:
     if not all("validation_accuracy" in p for p in points):
         return None
     return max(points, key=lambda p: p["validation_accuracy"])  # max() returns the first maximum
-
-
-def _interval(values: list[float]) -> str:
-    """The 95% t-interval of `values` in points, or "n/a" for fewer than 2."""
-    if len(values) < 2:
-        return "n/a"
-    _, lo, hi = paired_t_interval(values)
-    return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
 
 def _picked_table(runs: list[dict[str, Any]]) -> list[str]:
@@ -478,24 +446,20 @@ def _picked_table(runs: list[dict[str, Any]]) -> list[str]:
         ]
         diffs = [g - f for g, f in zip(gains, final, strict=True)]
         rows.append(
-            f"| {name} | {', '.join(str(r['seed']) for r in mine)} | {', '.join(str(p['step']) for p in picked)} "
-            f"| {100 * statistics.fmean(gains):+.1f} {_interval(gains)}; {', '.join(f'{100 * g:+.1f}' for g in gains)} "
-            f"| {100 * statistics.fmean(final):+.1f} | {100 * statistics.fmean(diffs):+.1f} {_interval(diffs)} "
+            f"| {name} | {_seeds(mine)} | {', '.join(str(p['step']) for p in picked)} "
+            f"| {100 * statistics.fmean(gains):+.1f} {_ci(gains)}; {', '.join(f'{100 * g:+.1f}' for g in gains)} "
+            f"| {100 * statistics.fmean(final):+.1f} | {100 * statistics.fmean(diffs):+.1f} {_ci(diffs)} "
             f"| {f'{100 * statistics.fmean(held):+.1f}, min {100 * min(held):+.1f}' if held else 'n/a'} |"
         )
-    if not rows:
-        return []
-    return [
-        "",
+    return table(
         "Checkpoint picked on validation (the best validation accuracy among the evaluated steps, as"
         " `load_best_model_at_end` keeps it): its test gain over step 0 (mean [95% CI]; per seed), the last"
         " checkpoint's gain, their paired difference, and the picked checkpoint's gain on held-out templates (mean,"
         " smallest seed):",
-        "",
         "| variant | seeds | steps picked | gain, picked | gain, last | picked − last | templates held out, picked |",
         "| --- | --- | --- | --- | ---: | --- | --- |",
-        *rows,
-    ]
+        rows,
+    )
 
 
 def _paired(runs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -525,12 +489,7 @@ def _paired(runs: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[di
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
     """Held-out gain against train minutes, one line per (variant, seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for run in runs:
         start = run["points"][0]["accuracy"]
         xs = [p["train_seconds"] / 60 for p in run["points"]]
@@ -540,35 +499,4 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("train minutes (evaluation excluded)")
     ax.set_ylabel("held-out gain (points)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def study_main(args: argparse.Namespace, names: list[str]) -> None:
-    """`--curves --preset`: run every (preset, seed) not finished yet, then write the report over all finished
-    runs."""
-    unknown = [name for name in names if name not in presets()]
-    if unknown:
-        raise SystemExit(f"unknown presets {unknown}; known: {', '.join(presets())}")
-    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
-    for name in names:
-        for seed in args.seeds:
-            path = run_path(args.runs_dir, name, seed)
-            if (
-                not args.force
-                and path.is_file()
-                and json.loads(path.read_text())["settings"] == _settings(name, args)
-            ):
-                print(f"skip {name} seed {seed}: finished")
-                continue
-            print(f"run {name} seed {seed} ...", flush=True)
-            result = run_preset(name, seed, args)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            tmp.replace(path)
-            curve = ", ".join(f"{p['step']}:{100 * p['accuracy']:.1f}%" for p in result["points"])
-            print(
-                f"done {name} seed {seed}: {curve} ({result['train_seconds'] / 60:.1f} train min)", flush=True
-            )
-    report(args)
+    save_figure(fig, path)

@@ -47,24 +47,15 @@ def _use_cuda(workload: Workload) -> bool:
 
 def _common_values(workload: Workload, output_dir: str) -> dict[str, Any]:
     """The recipe-config fields that every method shares: the workload's model, data, length, steps, seed."""
+    # The demo config logs completions; a benchmark times training alone.
     return {
-        "model_name_or_path": workload.model,
-        "dtype": workload.dtype,
-        "dataset_name": workload.dataset,
-        "dataset_train_split": workload.train_split,
-        "dataset_test_split": workload.test_split,
-        "output_dir": output_dir,
-        "max_completion_length": workload.max_completion_length,
-        "max_steps": workload.steps,
-        "seed": workload.seed,
-        "use_cpu": not _use_cuda(workload),
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "eval_strategy": "no",
-        "report_to": "none",
-        "log_completions": False,  # the demo config logs completions; a benchmark times training alone
+        "model_name_or_path": workload.model, "dtype": workload.dtype, "dataset_name": workload.dataset,
+        "dataset_train_split": workload.train_split, "dataset_test_split": workload.test_split,
+        "output_dir": output_dir, "max_completion_length": workload.max_completion_length,
+        "max_steps": workload.steps, "seed": workload.seed, "use_cpu": not _use_cuda(workload), "logging_steps": 1,
+        "save_strategy": "no", "eval_strategy": "no", "report_to": "none", "log_completions": False,
         "disable_tqdm": True,
-    }
+    }  # fmt: skip
 
 
 def _micro_batch(total: int, preferred: int) -> int:
@@ -85,8 +76,6 @@ def es_trainer(
 ) -> tuple[Any, str | None]:
     """A `DartESTrainer` for `method` on `workload` (and `overrides`, recipe-config fields applied last), and the
     recipe config it was built from."""
-    from trl import get_peft_config
-
     from ..trainer import DartESConfig, DartESTrainer
 
     config = _config_path(method, workload)
@@ -98,36 +87,12 @@ def es_trainer(
         "per_device_eval_batch_size": workload.eval_batch_size,
         **(overrides or {}),
     }
-    script_args, args, model_args = parse_recipe_config(DartESConfig, config, values)
+    parsed = parse_recipe_config(DartESConfig, config, values)
+    _, args, model_args = parsed
     for key, value in method.overrides.items():  # a row's None pins the field's default over the YAML's value
         if value is None and (overrides or {}).get(key) is None:
             setattr(args, key, None)
-    args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(args.model_init_kwargs or {})}
-    train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
-    trainer = DartESTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=script_args.load_reward_funcs(),
-        args=args,
-        train_dataset=train,
-        peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
-    )
-    return trainer, config
-
-
-def build_trainer(
-    method: BenchMethod,
-    workload: Workload,
-    out: str,
-    callbacks: list,
-    overrides: Mapping[str, Any] | None = None,
-) -> tuple[Any, str | None, dict[str, Any]]:
-    """The trainer of an ES or GRPO method: (trainer, its recipe config, GRPO's batch sizes or {})."""
-    if method.kind == "es":
-        return (*es_trainer(method, workload, out, callbacks, overrides), {})
-    if method.kind == "grpo":
-        return grpo_trainer(method, workload, out, callbacks, overrides)
-    raise ValueError(f"{method.name} ({method.kind}) trains nothing")
+    return _trainer(DartESTrainer, model_args.model_name_or_path, parsed, workload, callbacks), config
 
 
 def grpo_trainer(
@@ -140,7 +105,7 @@ def grpo_trainer(
     """TRL's `GRPOTrainer` for `method` on `workload`, with gradient accumulation sized so that one optimizer
     step consumes exactly one generation of N x B completions (the ES step's rollouts); returns the trainer, its
     recipe config and the batch sizes chosen (`micro_batch`, `gradient_accumulation_steps`)."""
-    from trl import GRPOConfig, GRPOTrainer, get_peft_config
+    from trl import GRPOConfig, GRPOTrainer
 
     from ..embedded import resolve_model_path
 
@@ -163,19 +128,42 @@ def grpo_trainer(
     if not _use_cuda(workload):
         values["bf16"] = False  # GRPOConfig turns bf16 on by default; on CPU it is ~4x slower than fp32
     overrides.pop("per_device_train_batch_size", None)  # already in `micro`
-    script_args, args, model_args = parse_recipe_config(GRPOConfig, config, {**values, **overrides})
+    parsed = parse_recipe_config(GRPOConfig, config, {**values, **overrides})
+    _, args, model_args = parsed
+    trainer = _trainer(
+        GRPOTrainer, resolve_model_path(model_args.model_name_or_path), parsed, workload, callbacks
+    )
+    return (
+        trainer,
+        config,
+        {"micro_batch": micro, "gradient_accumulation_steps": args.gradient_accumulation_steps},
+    )
+
+
+def _trainer(cls: type, model: str, parsed: tuple, workload: Workload, callbacks: list):
+    """`cls` (DART-ES's or TRL's trainer) as a recipe builds it from its parsed config, on the workload's data."""
+    from trl import get_peft_config
+
+    script_args, args, model_args = parsed
     args.model_init_kwargs = {"dtype": model_args.dtype or "float32", **(args.model_init_kwargs or {})}
     train = load_split(script_args.dataset_name, script_args.dataset_train_split, **workload.data_options())
-    trainer = GRPOTrainer(
-        model=resolve_model_path(model_args.model_name_or_path),
-        reward_funcs=script_args.load_reward_funcs(),
-        args=args,
-        train_dataset=train,
-        peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
-    )
-    batches = {"micro_batch": micro, "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    return trainer, config, batches
+    return cls(model=model, reward_funcs=script_args.load_reward_funcs(), args=args, train_dataset=train,
+               peft_config=get_peft_config(model_args), callbacks=callbacks)  # fmt: skip
+
+
+def build_trainer(
+    method: BenchMethod,
+    workload: Workload,
+    out: str,
+    callbacks: list,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Any, str | None, dict[str, Any]]:
+    """The trainer of an ES or GRPO method: (trainer, its recipe config, GRPO's batch sizes or {})."""
+    if method.kind == "es":
+        return (*es_trainer(method, workload, out, callbacks, overrides), {})
+    if method.kind == "grpo":
+        return grpo_trainer(method, workload, out, callbacks, overrides)
+    raise ValueError(f"{method.name} ({method.kind}) trains nothing")
 
 
 def _world_size() -> int:

@@ -1,6 +1,5 @@
 """The workload every method is given (model, data, rollouts per step, completion length, held-out set), and
-the data and rewards it names. Only the standard library is imported at module level: the parent process stays
-small, and every heavy import happens in the child that runs a method."""
+the data and rewards it names (imported on call: the harness's parent process stays small)."""
 
 from __future__ import annotations
 
@@ -38,11 +37,10 @@ class Workload:
     device: str = "auto"  # "auto", "cpu" or "cuda"
     config_dir: str = str(DEFAULT_CONFIG_DIR)
     timeout_s: float = 3600.0  # per method
-    # The task's prompt style (trl_dart_es.tasks.gsm8k.PROMPT_STYLES) for train and held-out prompts alike;
-    # None: the DART-ES config's `prompt_style` if it has one, else the task's default.
-    prompt_style: str | None = None
-    # The offline task's generator version (`task_version` of the recipes); None: the DART-ES config's if it sets
+    # The task's prompt style (trl_dart_es.tasks.gsm8k.PROMPT_STYLES, train and held-out prompts alike) and the
+    # offline task's generator version (the recipes' `task_version`); None: the DART-ES config's if it sets
     # one, else the task's default.
+    prompt_style: str | None = None
     task_version: int | None = None
 
     @property
@@ -71,21 +69,14 @@ class Workload:
         """The fields two rows must share to sit in one table."""
         keys = ("model", "dataset", "population", "prompts", "max_completion_length", "steps", "warmup_steps",
                 "eval_prompts", "seed", "dtype")  # fmt: skip
-        out = {k: getattr(self, k) for k in keys}
-        # Only when set: rows measured before these fields existed still merge.
-        for key in ("prompt_style", "task_version"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        return out
+        # prompt_style and task_version only when set: rows measured before these fields existed still merge.
+        keys += tuple(k for k in ("prompt_style", "task_version") if getattr(self, k) is not None)
+        return {k: getattr(self, k) for k in keys}
 
     def data_options(self) -> dict[str, Any]:
         """Keyword arguments of `load_split` for this workload's train and held-out prompts."""
-        options: dict[str, Any] = {}
-        if self.prompt_style is not None:
-            options["prompt_style"] = self.prompt_style
-        if self.task_version is not None:
-            options["version"] = self.task_version
-        return options
+        options = {"prompt_style": self.prompt_style, "version": self.task_version}
+        return {k: v for k, v in options.items() if v is not None}
 
 
 # Short: 8 x 8 = 64 rollouts per step, 3 steps: the four default methods finish in about 20 minutes on a
@@ -109,11 +100,9 @@ def load_split(name: str, split: str, **options: Any):
 
 
 def held_out_set(workload: Workload):
-    """The first `workload.eval_prompts` prompts of the test split, the same for every method and mode.
-
-    An offline (`embedded:`) task generates exactly that many, so the set can be larger than the task's default
-    split size; its generator is sequential, so a smaller set is a prefix of a larger one.
-    """
+    """The first `workload.eval_prompts` prompts of the test split, the same for every method and mode. An
+    offline (`embedded:`) task generates exactly that many (its generator is sequential: a smaller set is a
+    prefix of a larger one), so the set can be larger than the task's default split size."""
     options = workload.data_options()
     if workload.dataset.startswith("embedded:") and not os.path.isdir(workload.dataset):
         options["num_examples"] = workload.eval_prompts
