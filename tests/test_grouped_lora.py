@@ -101,3 +101,32 @@ def test_config_names_a_bad_lora_kernel(tmp_path):
     with pytest.raises(ValueError, match="vllm_lora_kernel"):
         DartESConfig(output_dir=str(tmp_path), vllm_lora_kernel="fast")
     assert DartESConfig(output_dir=str(tmp_path)).vllm_lora_kernel == "grouped"
+
+
+def _fused(a, b, x, y0, tokens, fan_outs):
+    y = y0.clone()
+    grouped_lora.grouped_lora_linear(y, x, a, b, tokens, 0.5, fan_outs)
+    return y
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["tracked", "inference-tensors"])
+def test_fused_op_sees_an_adapter_written_in_place_after_a_cached_call(inference):
+    """The stacked matrices are kept between calls; vLLM loads an adapter by writing its slot in place, and the
+    next call must use the new values (inference tensors, which have no version counter, are not cached)."""
+    g = torch.Generator().manual_seed(7)
+    fan_outs = (40, 16, 16)
+    with torch.inference_mode(inference):
+        a, b = _stacks(1, fan_outs, g)
+        x = torch.randn(6, FAN_IN, generator=g)
+        y0 = torch.randn(6, sum(fan_outs), generator=g)
+        tokens = grouped_lora.TokenAdapters(torch.tensor([0, 1, 2, 3, 1, 0]))
+        before = _fused(a, b, x, y0, tokens, fan_outs)
+        assert torch.equal(before, _fused(a, b, x, y0, tokens, fan_outs))  # a cached call gives the same values
+        a[1][2].mul_(3.0)  # slot 2 of slice 1's A, as set_lora writes it
+        b[0][1].zero_()  # slot 1 of slice 0's B
+        after = _fused(a, b, x, y0, tokens, fan_outs)
+        buffers = tuple(torch.zeros(6, 1) for _ in fan_outs)
+        expected = y0.clone()
+        grouped_lora.grouped_shrink(buffers, x, a, tokens, 0.5)  # the uncached two-op path on the new stacks
+        grouped_lora.grouped_expand(expected, buffers, b, tokens, fan_outs)
+    assert torch.equal(after, expected) and not torch.equal(after, before)

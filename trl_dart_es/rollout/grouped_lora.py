@@ -12,7 +12,8 @@ With a handful of adapters the whole stack fits in one small GEMM, so no per-tok
 * shrink: ``s = x @ A_all^T`` (``T x L*r``, every adapter at once), then each token keeps its adapter's ``r``
   columns;
 * expand: each token's ``r`` values go into its adapter's block of a ``T x L*r`` row (zeros elsewhere) and
-  one GEMM with ``B_all`` (``L*r x out``) adds every token's delta.
+  one GEMM with ``B_all`` (``L*r x out``) adds every token's delta; the fused op stacks the slices too, with the
+  B stacks block-diagonal, and keeps both stacked matrices until an adapter changes.
 
 vLLM's linear LoRA layers call ``add_lora_linear`` (shrink into fp32 buffers, then expand); the replacement
 does both in one pass (:func:`grouped_lora_linear`): the shrink GEMM's output, masked by the one-hot
@@ -165,21 +166,81 @@ def grouped_lora_linear(
     output_slices: Sequence[int],
     add_inputs: bool = True,
 ) -> None:
-    """:func:`grouped_shrink` then :func:`grouped_expand` in one pass, with no ``(T, r)`` buffers between them.
+    """:func:`grouped_shrink` then :func:`grouped_expand` in one pass: two GEMMs for all slices and adapters.
 
-    The expand's input rows are the shrink's GEMM output masked by the one-hot matrix, so the pick of each
-    token's ``r`` values, the buffer writes and the re-spread are skipped. The shrink runs in fp32, as vLLM's
-    buffers do; the values equal the two-op path's.
+    The shrink GEMM's output, masked by the one-hot matrix, is the expand's input (no ``(T, r)`` buffers), and
+    the expand is ONE GEMM with the slices' B stacks laid out block-diagonally (:func:`_stacked`), which adds
+    into the whole of ``y`` at once instead of one strided column block per slice. The blocks off a token's
+    adapter and slice are exact zeros, so the values equal the two-op path's; the shrink runs in fp32, as vLLM's
+    buffers do.
     """
     n, num_slices = tokens.n, len(a_ws)
     num, r = a_ws[0].shape[0], a_ws[0].shape[-2]
-    one_hot = tokens.one_hot(num, torch.float32).view(n, 1, num, 1)
-    rows = _shrink_all(x, a_ws, n, torch.float32) * one_hot  # (n, S, L, r): zeros off each slot
+    a_all, b_all = _stacked(a_ws, b_ws, output_slices, y.dtype)
+    if (
+        b_all is None or b_all.shape[1] != y.shape[-1]
+    ):  # slices that do not tile y's columns: a GEMM per slice
+        rows = _shrink_all(x, a_ws, n, torch.float32) * tokens.one_hot(num, torch.float32).view(n, 1, num, 1)
+        if scale != 1.0:
+            rows = rows * scale
+        _add_rows(
+            y,
+            rows.to(y.dtype).view(n, num_slices, num * r).transpose(0, 1),
+            b_ws,
+            output_slices,
+            0,
+            add_inputs,
+        )
+        return
+    s = torch.matmul(x.reshape(-1, x.shape[-1])[:n].to(torch.float32), a_all.t()).view(n, num_slices, num, r)
+    rows = s * tokens.one_hot(num, torch.float32).view(n, 1, num, 1)  # zeros off each token's slot
     if scale != 1.0:
         rows = rows * scale
-    # Slice i's rows: an (n, L*r) view with row stride S*L*r, which the GEMM reads without a copy.
-    rows = rows.to(y.dtype).view(n, num_slices, num * r).transpose(0, 1)
-    _add_rows(y, rows, b_ws, output_slices, 0, add_inputs)
+    rows = rows.to(y.dtype).view(n, num_slices * num * r)
+    y2 = y.view(-1, y.shape[-1])[:n]
+    if add_inputs:  # in place: half the time of a matmul and a separate add at decode sizes
+        y2.addmm_(rows, b_all)
+    else:
+        y2.copy_(torch.matmul(rows, b_all))
+
+
+# Per layer: the A stacks as one fp32 (S*L*r, in) matrix and the B stacks as one block-diagonal (S*L*r, out)
+# matrix. Rebuilding them costs as much as the GEMMs at decode sizes, and they change only when an adapter is
+# loaded or removed, which bumps the stacks' version counters (vLLM writes them in place).
+_STACKS: dict[tuple, tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
+_MAX_STACKS = 4096
+
+
+def _stacked(
+    a_ws: Sequence[torch.Tensor],
+    b_ws: Sequence[torch.Tensor],
+    output_slices: Sequence[int],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weights = (*a_ws, *b_ws)
+    key = (*(w.data_ptr() for w in weights), tuple(output_slices), dtype)
+    try:
+        versions = tuple(w._version for w in weights)
+    except RuntimeError:  # inference tensors have no version counter: nothing tells a change, so no cache
+        versions = None
+    held = _STACKS.get(key)
+    if versions is not None and held is not None and held[0] == versions:
+        return held[1], held[2]
+    num, _, r, fan_in = a_ws[0].shape
+    a_all = torch.cat([w.reshape(num * r, fan_in) for w in a_ws]).to(torch.float32)
+    b_all = None
+    if all(w.shape[-2] == width for w, width in zip(b_ws, output_slices, strict=True)):
+        b_all = torch.zeros(len(b_ws) * num * r, sum(output_slices), dtype=dtype, device=a_all.device)
+        offset = 0
+        for i, w in enumerate(b_ws):
+            block = w.reshape(num, w.shape[-2], r).transpose(1, 2).reshape(num * r, w.shape[-2])
+            b_all[i * num * r : (i + 1) * num * r, offset : offset + w.shape[-2]] = block
+            offset += w.shape[-2]
+    if versions is not None:
+        if len(_STACKS) >= _MAX_STACKS:  # stale layers of an engine that was shut down
+            _STACKS.clear()
+        _STACKS[key] = (versions, a_all, b_all)
+    return a_all, b_all
 
 
 # ------------------------------------------------------------------------- PunicaWrapperCPU replacements
