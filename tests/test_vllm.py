@@ -433,3 +433,18 @@ def test_a_full_dart_es_step_gives_the_same_update_on_both_backends(embedded, tm
     assert vl_log["update_norm"] == hf_log["update_norm"]
     for name, tensor in hf_weights.items():
         assert torch.equal(vl_weights[name], tensor), name
+
+
+def test_vllm_engine_kwargs_are_checked_before_the_engine_starts(tmp_path):
+    """A scheduling setting passes; one the trainer makes itself, or one vLLM does not know, is refused by name."""
+    import vllm
+
+    from trl_dart_es.rollout.vllm_engine import _checked_engine_kwargs
+    from trl_dart_es.trainer import DartESConfig
+
+    config = DartESConfig(output_dir=str(tmp_path), vllm_engine_kwargs='{"max_num_seqs": 64}')
+    assert _checked_engine_kwargs(vllm, config.vllm_engine_kwargs) == {"max_num_seqs": 64}
+    with pytest.raises(ValueError, match=r"vllm_engine_kwargs\['max_loras'\].*sets 'max_loras' itself"):
+        _checked_engine_kwargs(vllm, {"max_loras": 4})
+    with pytest.raises(ValueError, match=r"vllm_engine_kwargs\['max_num_seqz'\].*no such argument"):
+        _checked_engine_kwargs(vllm, {"max_num_seqz": 4})

@@ -451,6 +451,7 @@ def start_engine(
     tokenizer: Any = None,
     enable_prefix_caching: bool = False,
     generation_dtype: str | None = None,
+    extra_engine_kwargs: dict[str, Any] | None = None,
 ) -> _Engine:
     """Start (or reuse) this process's vLLM engine for ``model``'s architecture.
 
@@ -475,6 +476,9 @@ def start_engine(
 
     ``generation_dtype`` (``DartESConfig.generation_dtype``; :func:`~trl_dart_es.precision.resolve_generation_dtype`)
     is the engine's precision; None keeps the model's. Weights pushed in another dtype are cast by vLLM's loader.
+
+    ``extra_engine_kwargs`` (``DartESConfig.vllm_engine_kwargs``) are passed on to ``vllm.LLM`` (scheduling settings
+    such as ``max_num_seqs``); one that names a setting made here is refused.
 
     ``tokenizer`` (the trainer's) starts the engine with it, so that vLLM can match stop strings
     (``generation_kwargs={"stop": [...]}``); without it the engine skips its tokenizer: prompts arrive as
@@ -521,7 +525,7 @@ def start_engine(
     tokenizer_key = None if tokenizer is None else (getattr(tokenizer, "name_or_path", ""), len(tokenizer))
     key = (
         key_path, str(dtype), max_model_len, gpu_memory_utilization, enable_sleep_mode, cpu_kvcache_space, lora,
-        tokenizer_key, enable_prefix_caching,
+        tokenizer_key, enable_prefix_caching, tuple(sorted((extra_engine_kwargs or {}).items(), key=str)),
     )  # fmt: skip
     if _ENGINE is not None and _serves(_ENGINE.key, key):
         if tmp is not None:
@@ -592,6 +596,7 @@ def start_engine(
             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode
         )
 
+    engine_kwargs.update(_checked_engine_kwargs(vllm, extra_engine_kwargs or {}))
     decorated = _transformers_classes_vllm_may_decorate(base)
     try:
         llm = vllm.LLM(**engine_kwargs)
@@ -632,6 +637,34 @@ def start_engine(
     return _ENGINE
 
 
+# Engine settings the trainer makes from its own fields (or must make): `vllm_engine_kwargs` may not set them.
+_MANAGED_ENGINE_KWARGS = frozenset(
+    {
+        "model", "dtype", "seed", "max_model_len", "tensor_parallel_size", "distributed_executor_backend",
+        "enable_prefix_caching", "skip_tokenizer_init", "tokenizer", "generation_config", "trust_remote_code",
+        "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "gpu_memory_utilization", "enable_sleep_mode",
+    }
+)  # fmt: skip
+
+
+def _checked_engine_kwargs(vllm: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """``vllm_engine_kwargs``, refused with the bad key named if the trainer sets it or vLLM does not know it."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    for key in extra:
+        if key in _MANAGED_ENGINE_KWARGS:
+            raise ValueError(
+                f"vllm_engine_kwargs[{key!r}]: the trainer sets {key!r} itself; use its DartESConfig field "
+                "(vllm_*, generation_dtype, seed, trust_remote_code, ...) instead"
+            )
+        if key not in known:
+            raise ValueError(
+                f"vllm_engine_kwargs[{key!r}]: vllm.EngineArgs {vllm.__version__} has no such argument"
+            )
+    return dict(extra)
+
+
 def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
     """This process's engine, configured from a `DartESTrainer`'s args (`engine_kwargs` add LoRA slots)."""
     _require_vllm()
@@ -656,6 +689,7 @@ def start_engine_for_trainer(trainer, **engine_kwargs: Any) -> _Engine:
         tokenizer=trainer.processing_class if needs_detokenizer(args.generation_kwargs) else None,
         enable_prefix_caching=args.vllm_enable_prefix_caching,
         generation_dtype=args.generation_dtype,
+        extra_engine_kwargs=args.vllm_engine_kwargs,
         **engine_kwargs,
     )
 

@@ -306,6 +306,16 @@ class DartESConfig(TrainingArguments):
         },
     )
 
+    vllm_engine_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for `vllm.LLM`, for the engine's scheduling, e.g. "
+            '\'{"max_num_seqs": 128, "max_num_batched_tokens": 8192}\' (a dict, or JSON on the command line). '
+            "Settings the trainer makes itself (model, dtype, seed, LoRA slots, prefix caching, ...) are refused: "
+            "use their own fields. None: vLLM's defaults (docs/vllm.md 'Throughput settings')."
+        },
+    )
+
     # Logging
     log_completions: bool = field(
         default=False,
@@ -332,7 +342,7 @@ class DartESConfig(TrainingArguments):
 
     def __post_init__(self):
         check_not_sharded(self)  # before TrainingArguments sets up DeepSpeed/FSDP and fails less clearly
-        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "vllm_engine_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, json.loads(value))
