@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS: dict[str, list[str]] = {
     "demo": [],
     "inference": ["--perturbation", "full"],  # an engine without LoRA slots, as plain inference runs
+    "prompts only (1 new token)": ["--max_completion_length", "1"],  # the prefill's share of the demo's time
     "lora kernel: vllm's own": ["--vllm_lora_kernel", "vllm"],
     "256 rollouts (16 problems)": ["--per_device_train_batch_size", "16"],
     "512 rollouts (32 members x 16 problems, 2 GiB KV)": [
