@@ -39,6 +39,8 @@ SETTINGS: dict[str, list[str]] = {
     "prefix caching on": ["--vllm_enable_prefix_caching", "true"],
     "KV cache 4 GiB": ["--vllm_cpu_kvcache_space", "4"],
     "1 thread": ["--vllm_cpu_threads", "1"],
+    "adapters on attention only (q, k, v, o)": ["--lowrank_target_modules", "q_proj", "k_proj", "v_proj", "o_proj"],
+    "adapters on MLPs only (gate, up, down)": ["--lowrank_target_modules", "gate_proj", "up_proj", "down_proj"],
     "detokenized by vLLM (a stop string)": ["--generation_kwargs", '{"stop": ["\\n\\n\\n\\n"]}'],
 }  # fmt: skip
 
