@@ -266,49 +266,9 @@ def _add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_i
         grouped_expand(y, x, lora_b_stacked, tokens, output_slices, offset_start, add_inputs)
 
 
-# Per stack: whether it is all zeros, until it changes (version counters, as for `_STACKS`). vLLM wraps every
-# linear layer, the embedding and the logits for LoRA, also those no adapter targets; their B stacks stay zero and
-# their delta is exactly zero, so it is skipped rather than computed.
-_ZERO: dict[int, tuple[int, bool]] = {}
-
-
-def _all_zero(stacks: Sequence[torch.Tensor]) -> bool:
-    for w in stacks:
-        try:
-            version = w._version
-        except RuntimeError:  # an inference tensor: no counter, so look every time
-            if w.any():
-                return False
-            continue
-        held = _ZERO.get(w.data_ptr())
-        if held is None or held[0] != version:
-            if len(_ZERO) >= _MAX_STACKS:
-                _ZERO.clear()
-            held = _ZERO[w.data_ptr()] = (version, not bool(w.any()))
-        if not held[1]:
-            return False
-    return True
-
-
-def _as_list(stacks) -> Sequence[torch.Tensor]:
-    return [stacks] if isinstance(stacks, torch.Tensor) else stacks
-
-
-def _add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *args, **kwargs) -> None:
-    if not _all_zero(_as_list(lora_b_stacked)):
-        _ORIGINAL["add_lora_logits"](self, y, x, lora_a_stacked, lora_b_stacked, scale, *args, **kwargs)
-
-
-def _add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs) -> None:
-    if not (add_inputs and _all_zero(_as_list(lora_b_stacked))):
-        _ORIGINAL["add_lora_embedding"](self, y, x, lora_b_stacked, add_inputs, **kwargs)
-
-
 def _add_lora_linear(
     self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs
 ) -> None:
-    if kwargs.get("add_inputs", True) and _all_zero(lora_b_stacked):
-        return  # a layer no adapter targets
     if buffer is not None:  # a caller-owned buffer: keep vLLM's two-step contract
         _ORIGINAL["add_lora_linear"](
             self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
@@ -325,8 +285,6 @@ _REPLACED = {
     "add_shrink": _add_shrink,
     "add_expand": _add_expand,
     "add_lora_linear": _add_lora_linear,
-    "add_lora_logits": _add_lora_logits,
-    "add_lora_embedding": _add_lora_embedding,
 }
 
 
