@@ -121,7 +121,9 @@ def test_fused_op_sees_an_adapter_written_in_place_after_a_cached_call(inference
         y0 = torch.randn(6, sum(fan_outs), generator=g)
         tokens = grouped_lora.TokenAdapters(torch.tensor([0, 1, 2, 3, 1, 0]))
         before = _fused(a, b, x, y0, tokens, fan_outs)
-        assert torch.equal(before, _fused(a, b, x, y0, tokens, fan_outs))  # a cached call gives the same values
+        assert torch.equal(
+            before, _fused(a, b, x, y0, tokens, fan_outs)
+        )  # a cached call gives the same values
         a[1][2].mul_(3.0)  # slot 2 of slice 1's A, as set_lora writes it
         b[0][1].zero_()  # slot 1 of slice 0's B
         after = _fused(a, b, x, y0, tokens, fan_outs)
