@@ -76,7 +76,10 @@ def test_fused_lora_linear_equals_shrink_then_expand(rank, dtype):
     grouped_lora.grouped_shrink(buffers, x, a, tokens, 0.5)
     grouped_lora.grouped_expand(two_step, buffers, b, tokens, fan_outs)
     grouped_lora.grouped_lora_linear(fused, x, a, b, tokens, 0.5, fan_outs)
-    assert torch.equal(fused, two_step)
+    if rank == 1:  # one product per output: bitwise
+        assert torch.equal(fused, two_step)
+    else:  # the r products of a slot may be summed in another order (the GEMMs' K differs)
+        torch.testing.assert_close(fused, two_step)
     assert torch.equal(fused[[2, 6]], y0[[2, 6]]) and not torch.equal(fused, y0)
 
 

@@ -171,8 +171,8 @@ def grouped_lora_linear(
     The shrink GEMM's output, masked by the one-hot matrix, is the expand's input (no ``(T, r)`` buffers), and
     the expand is ONE GEMM with the slices' B stacks laid out block-diagonally (:func:`_stacked`), which adds
     into the whole of ``y`` at once instead of one strided column block per slice. The blocks off a token's
-    adapter and slice are exact zeros, so the values equal the two-op path's; the shrink runs in fp32, as vLLM's
-    buffers do.
+    adapter and slice are exact zeros, so the values equal the two-op path's (bitwise at rank 1; at higher ranks up
+    to the order a slot's r products are summed); the shrink runs in fp32, as vLLM's buffers do.
     """
     n, num_slices = tokens.n, len(a_ws)
     num, r = a_ws[0].shape[0], a_ws[0].shape[-2]

@@ -649,6 +649,8 @@ _MANAGED_ENGINE_KWARGS = frozenset(
 
 def _checked_engine_kwargs(vllm: Any, extra: dict[str, Any]) -> dict[str, Any]:
     """``vllm_engine_kwargs``, refused with the bad key named if the trainer sets it or vLLM does not know it."""
+    if not extra:
+        return {}
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
