@@ -135,3 +135,19 @@ def test_fused_op_sees_an_adapter_written_in_place_after_a_cached_call(inference
         grouped_lora.grouped_shrink(buffers, x, a, tokens, 0.5)  # the uncached two-op path on the new stacks
         grouped_lora.grouped_expand(expected, buffers, b, tokens, fan_outs)
     assert torch.equal(after, expected) and not torch.equal(after, before)
+
+
+def test_fused_op_never_reuses_stacks_of_freed_tensors_at_the_same_address():
+    """New stacks can land where freed ones were, with the same version (0): the cache must not serve them."""
+    fan_outs = (40, 16, 16)
+    tokens = grouped_lora.TokenAdapters(torch.tensor([0, 1, 2, 3, 1, 0]))
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        a, b = _stacks(8, fan_outs, g)
+        x, y0 = torch.randn(6, FAN_IN, generator=g), torch.randn(6, sum(fan_outs), generator=g)
+        buffers = tuple(torch.zeros(6, 8) for _ in fan_outs)
+        expected = y0.clone()
+        grouped_lora.grouped_shrink(buffers, x, a, tokens, 0.5)
+        grouped_lora.grouped_expand(expected, buffers, b, tokens, fan_outs)
+        torch.testing.assert_close(_fused(a, b, x, y0, tokens, fan_outs), expected)
+        del a, b  # freed: the next seed's stacks may take their addresses

@@ -28,6 +28,7 @@ meaning vLLM's GPU kernels give it (its CPU ops index the last slot instead). In
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -206,8 +207,9 @@ def grouped_lora_linear(
 
 # Per layer: the A stacks as one fp32 (S*L*r, in) matrix and the B stacks as one block-diagonal (S*L*r, out)
 # matrix. Rebuilding them costs as much as the GEMMs at decode sizes, and they change only when an adapter is
-# loaded or removed, which bumps the stacks' version counters (vLLM writes them in place).
-_STACKS: dict[tuple, tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
+# loaded or removed, which bumps the stacks' version counters (vLLM writes them in place). An entry also holds
+# weak references to its stacks: a new tensor at a freed one's address (another engine) never matches it.
+_STACKS: dict[tuple, tuple[tuple, tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
 _MAX_STACKS = 4096
 
 
@@ -224,8 +226,13 @@ def _stacked(
     except RuntimeError:  # inference tensors have no version counter: nothing tells a change, so no cache
         versions = None
     held = _STACKS.get(key)
-    if versions is not None and held is not None and held[0] == versions:
-        return held[1], held[2]
+    if (
+        versions is not None
+        and held is not None
+        and held[1] == versions
+        and all(ref() is w for ref, w in zip(held[0], weights, strict=True))
+    ):
+        return held[2], held[3]
     num, _, r, fan_in = a_ws[0].shape
     a_all = torch.cat([w.reshape(num * r, fan_in) for w in a_ws]).to(torch.float32)
     b_all = None
@@ -239,7 +246,7 @@ def _stacked(
     if versions is not None:
         if len(_STACKS) >= _MAX_STACKS:  # stale layers of an engine that was shut down
             _STACKS.clear()
-        _STACKS[key] = (versions, a_all, b_all)
+        _STACKS[key] = (tuple(weakref.ref(w) for w in weights), versions, a_all, b_all)
     return a_all, b_all
 
 
