@@ -178,26 +178,16 @@ def grouped_lora_linear(
     n, num_slices = tokens.n, len(a_ws)
     num, r = a_ws[0].shape[0], a_ws[0].shape[-2]
     a_all, b_all = _stacked(a_ws, b_ws, output_slices, y.dtype)
-    if (
-        b_all is None or b_all.shape[1] != y.shape[-1]
-    ):  # slices that do not tile y's columns: a GEMM per slice
-        rows = _shrink_all(x, a_ws, n, torch.float32) * tokens.one_hot(num, torch.float32).view(n, 1, num, 1)
-        if scale != 1.0:
-            rows = rows * scale
-        _add_rows(
-            y,
-            rows.to(y.dtype).view(n, num_slices, num * r).transpose(0, 1),
-            b_ws,
-            output_slices,
-            0,
-            add_inputs,
-        )
-        return
     s = torch.matmul(x.reshape(-1, x.shape[-1])[:n].to(torch.float32), a_all.t()).view(n, num_slices, num, r)
     rows = s * tokens.one_hot(num, torch.float32).view(n, 1, num, 1)  # zeros off each token's slot
     if scale != 1.0:
         rows = rows * scale
-    rows = rows.to(y.dtype).view(n, num_slices * num * r)
+    rows = rows.to(y.dtype)
+    # Slices that do not tile y's columns: a GEMM per slice.
+    if b_all is None or b_all.shape[1] != y.shape[-1]:
+        _add_rows(y, rows.view(n, num_slices, num * r).transpose(0, 1), b_ws, output_slices, 0, add_inputs)
+        return
+    rows = rows.view(n, num_slices * num * r)
     y2 = y.view(-1, y.shape[-1])[:n]
     if add_inputs:  # in place: half the time of a matmul and a separate add at decode sizes
         y2.addmm_(rows, b_all)
